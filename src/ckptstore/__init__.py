@@ -1,0 +1,38 @@
+"""ckptstore: atomic, verified, resumable checkpoints on local disks, NFS, S3 and fsspec URLs."""
+
+from ckptstore.errors import (
+    AccessDeniedError,
+    BackendError,
+    CheckpointError,
+    CompatibilityError,
+    ConfigError,
+    ConflictError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotFoundError,
+    SerializationError,
+    UnsafeLoadError,
+)
+from ckptstore.retention import KeepEvery, KeepLast, RetentionPolicy
+from ckptstore.store import CheckpointInfo, CheckpointStore, GcReport, VerifyReport
+
+__all__ = [
+    "AccessDeniedError",
+    "BackendError",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointStore",
+    "CompatibilityError",
+    "ConfigError",
+    "ConflictError",
+    "CorruptCheckpointError",
+    "GcReport",
+    "IncompleteCheckpointError",
+    "KeepEvery",
+    "KeepLast",
+    "NotFoundError",
+    "RetentionPolicy",
+    "SerializationError",
+    "UnsafeLoadError",
+    "VerifyReport",
+]

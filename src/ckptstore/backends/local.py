@@ -1,0 +1,295 @@
+"""Local disks and NFS mounts.
+
+Every object is written to a temp file in its own directory, fsynced, renamed into place, and
+the directory fsynced, so a crash leaves either the old object or the new one, never a torn one
+(the rename is atomic on POSIX, also on NFS, because source and target share a directory; a
+``shutil.move`` across devices would be a copy). Create-only writes link the finished temp file
+to its name: ``link`` fails if the name exists, so the commit marker appears whole and exactly
+once. Compare-and-swap holds an ``flock`` on a sidecar lock file (NFSv4 carries it to the
+server) while it checks the version token (inode, mtime, size) and renames.
+
+Temp and lock files start with ``.ckpt-``: listings hide them and ``gc`` removes stray temps.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptstore.backends.base import Capabilities, Chunk, ObjectInfo, PartialWrite
+from ckptstore.errors import (
+    AccessDeniedError,
+    BackendError,
+    ConfigError,
+    NotFoundError,
+    ObjectExistsError,
+    PreconditionFailedError,
+)
+
+HIDDEN_PREFIX = ".ckpt-"
+TMP_PREFIX = ".ckpt-tmp-"
+LOCK_PREFIX = ".ckpt-lock-"
+
+
+class LocalBackend:
+    """A directory on a POSIX filesystem (local disk or NFS)."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any]) -> None:
+        if storage_options:
+            raise ConfigError(
+                f"{uri}: local stores take no storage options, got {sorted(storage_options)}"
+            )
+        path = uri[len("file://") :] if uri.startswith("file://") else uri
+        self.root = Path(path).expanduser().absolute()
+        self._uri = str(self.root)
+
+    @property
+    def uri(self) -> str:
+        return self._uri
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(atomic_create=True, atomic_swap=True, server_side_copy=True)
+
+    def _path(self, path: str) -> Path:
+        return self.root / path if path else self.root
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        with _translated(self._path(path), "read"), open(self._path(path), "rb") as f:
+            f.seek(start)
+            return f.read() if end is None else f.read(max(0, end - start))
+
+    def read_versioned(self, path: str) -> tuple[bytes, str]:
+        target = self._path(path)
+        with _translated(target, "read"), open(target, "rb") as f:
+            return f.read(), _version(os.fstat(f.fileno()))
+
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        target = self._path(path)
+        tmp, size = self._write_temp(target, chunks)
+        with _translated(target, "write"):
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+            _fsync_dir(target.parent)
+        return size
+
+    def create(self, path: str, data: bytes) -> None:
+        target = self._path(path)
+        tmp, _ = self._write_temp(target, [data])
+        try:
+            with _translated(target, "create"):
+                os.link(tmp, target)
+        except FileExistsError as e:
+            raise ObjectExistsError(f"{target} already exists") from e
+        finally:
+            _unlink_quietly(tmp)
+        _fsync_dir(target.parent)
+
+    def swap(self, path: str, data: bytes, expected: str | None) -> str:
+        target = self._path(path)
+        with self._locked(target):
+            try:
+                current: str | None = _version(os.stat(target))
+            except FileNotFoundError:
+                current = None
+            if current != expected:
+                raise PreconditionFailedError(
+                    f"{target} changed since it was read (expected version {expected}, "
+                    f"found {current})"
+                )
+            tmp, _ = self._write_temp(target, [data])
+            with _translated(target, "write"):
+                os.replace(tmp, target)
+                _fsync_dir(target.parent)
+                return _version(os.stat(target))
+
+    def copy(self, src: str, dst: str) -> None:
+        """Hard-link when possible: objects are never modified in place, only replaced."""
+        source, target = self._path(src), self._path(dst)
+        tmp = target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{target.name}"[:255]
+        with _translated(source, "copy"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, tmp)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK):
+                    raise
+                with open(source, "rb") as f:
+                    self.write(dst, iter(lambda: f.read(1 << 22), b""))
+                return
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+            _fsync_dir(target.parent)
+
+    def stat(self, path: str) -> ObjectInfo | None:
+        try:
+            st = os.stat(self._path(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise _translate(e, self._path(path), "stat") from e
+        return ObjectInfo(path, st.st_size, st.st_mtime)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        for path, st in self._walk(prefix):
+            if not path.rsplit("/", 1)[-1].startswith(HIDDEN_PREFIX):
+                yield ObjectInfo(path, st.st_size, st.st_mtime)
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        base = self._path(prefix)
+        try:
+            with os.scandir(base) as entries:
+                return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            raise _translate(e, base, "list") from e
+
+    def delete(self, paths: Sequence[str]) -> None:
+        parents = set()
+        for path in paths:
+            target = self._path(path)
+            try:
+                target.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise _translate(e, target, "delete") from e
+            parents.add(target.parent)
+        for parent in parents:
+            _remove_empty_dirs(parent, stop=self.root)
+
+    def partial_writes(self, prefix: str) -> builtins.list[PartialWrite]:
+        return [
+            PartialWrite(path, upload_id=path, started=st.st_mtime)
+            for path, st in self._walk(prefix)
+            if path.rsplit("/", 1)[-1].startswith(TMP_PREFIX)
+        ]
+
+    def abort(self, partial: PartialWrite) -> None:
+        self.delete([partial.path])
+
+    def close(self) -> None:
+        pass
+
+    def _walk(self, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
+        """``(relative path, stat)`` of every file whose path starts with ``prefix``."""
+        head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self._path(head)
+        for dirpath, _dirs, files in os.walk(start, onerror=None):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, self.root).replace(os.sep, "/")
+                if rel.startswith(prefix):
+                    try:
+                        yield rel, os.stat(full)
+                    except FileNotFoundError:  # deleted while we walked
+                        continue
+
+    def _write_temp(self, target: Path, chunks: Iterable[Chunk]) -> tuple[Path, int]:
+        """Write ``chunks`` to a fsynced temp file beside ``target``; the caller renames it."""
+        tmp = target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{target.name}"[:255]
+        size = 0
+        with _translated(target, "write"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(tmp, "xb") as f:
+                    for chunk in chunks:
+                        size += f.write(chunk)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+        return tmp, size
+
+    @contextlib.contextmanager
+    def _locked(self, target: Path) -> Iterator[None]:
+        lock = target.parent / f"{LOCK_PREFIX}{target.name}"
+        with _translated(target, "lock"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+
+def _version(st: os.stat_result) -> str:
+    """A token that changes whenever the file is replaced (a rename brings a new inode)."""
+    return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or link durable: fsync the directory that holds the name."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some network filesystems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _remove_empty_dirs(start: Path, *, stop: Path) -> None:
+    """Remove ``start`` and its parents up to (not including) ``stop`` while they are empty."""
+    current = start
+    while current != stop and stop in current.parents:
+        names = os.listdir(current) if current.exists() else []
+        for name in names:  # a lock file alone does not keep a directory alive
+            if not name.startswith(LOCK_PREFIX):
+                return
+        shutil.rmtree(current, ignore_errors=True)
+        current = current.parent
+
+
+@contextlib.contextmanager
+def _translated(path: Path, action: str) -> Iterator[None]:
+    try:
+        yield
+    except (FileExistsError, ObjectExistsError):
+        raise
+    except OSError as e:
+        raise _translate(e, path, action) from e
+
+
+def _translate(e: OSError, path: Path, action: str) -> Exception:
+    if isinstance(e, FileNotFoundError):
+        return NotFoundError(f"{path} does not exist (while trying to {action} it)")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return AccessDeniedError(
+            f"permission denied to {action} {path}: give this user write access to the "
+            "store directory, or choose another URI"
+        )
+    if e.errno == errno.EROFS:
+        return AccessDeniedError(
+            f"cannot {action} {path}: the filesystem is read-only; mount it read-write or "
+            "choose another URI"
+        )
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return BackendError(
+            f"no space left to {action} {path}: free space on that filesystem or lower keep_last; "
+            "committed steps were not touched"
+        )
+    return BackendError(f"cannot {action} {path}: {e.strerror or e}", retryable=False)

@@ -1,0 +1,100 @@
+"""Where things live inside a store, as pure functions of names (no I/O).
+
+::
+
+    <root>/latest.json                              the pointer, moved by compare-and-swap
+    <root>/global_step_<N>/<payload files>          verl's naming, so a pulled step drops
+                                                    straight into trainer.default_local_dir
+    <root>/global_step_<N>/ckptstore.manifest.json  the commit marker, written last, create-only
+    <root>/.ckptstore/pins/global_step_<N>          one object per pin (no shared file to race on)
+
+The manifest sits inside its step directory so that deleting or copying a step moves its commit
+marker with it, and so that a listing of step directories plus one GET per step is all it takes
+to know which steps are committed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+
+from ckptstore.errors import ConfigError, CorruptCheckpointError
+
+STEP_PREFIX = "global_step_"
+MANIFEST_NAME = "ckptstore.manifest.json"
+LATEST_NAME = "latest.json"
+META_DIR = ".ckptstore"
+PINS_DIR = f"{META_DIR}/pins"
+VERL_TRACKER_NAME = "latest_checkpointed_iteration.txt"
+
+_STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]*)$")
+_RESERVED_NAMES = frozenset({MANIFEST_NAME})
+
+
+def step_dir(step: int) -> str:
+    return f"{STEP_PREFIX}{step}"
+
+
+def manifest_path(step: int) -> str:
+    return f"{step_dir(step)}/{MANIFEST_NAME}"
+
+
+def payload_path(step: int, relpath: str) -> str:
+    return f"{step_dir(step)}/{relpath}"
+
+
+def pin_path(step: int) -> str:
+    return f"{PINS_DIR}/{step_dir(step)}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a directory name stands for, or ``None`` if it is not a step directory."""
+    match = _STEP_DIR.match(name.strip("/"))
+    return int(match.group(1)) if match else None
+
+
+def check_step(step: object, *, where: str = "step") -> int:
+    """Accept a non-negative integer (or its decimal string); anything else is a ConfigError."""
+    if isinstance(step, bool):
+        raise ConfigError(f"{where} must be a non-negative integer, got {step!r}")
+    if isinstance(step, str) and step.strip().isdigit():
+        step = int(step.strip())
+    if not isinstance(step, int) or step < 0:
+        raise ConfigError(
+            f"{where} must be a non-negative integer (like 100), got {step!r}; "
+            "steps number the training iterations a checkpoint was taken at"
+        )
+    return step
+
+
+def check_relpath(relpath: str, *, where: str) -> str:
+    """Validate a file path recorded in a manifest or taken from a directory.
+
+    Rejects what could escape the step directory on pull or confuse the commit marker:
+    absolute paths, ``..``, backslashes, empty parts and the manifest's own name.
+    ``where`` names the manifest or directory, for the message.
+    """
+    problem = _relpath_problem(relpath)
+    if problem:
+        raise CorruptCheckpointError(
+            f"{where}: unsafe file path {relpath!r} ({problem}); a checkpoint file path must be "
+            "relative, use '/' separators and stay inside its step directory"
+        )
+    return relpath
+
+
+def _relpath_problem(relpath: str) -> str | None:
+    if not isinstance(relpath, str) or not relpath:
+        return "empty"
+    if "\\" in relpath:
+        return "contains a backslash"
+    if "\x00" in relpath:
+        return "contains a NUL byte"
+    if relpath.startswith("/") or re.match(r"^[A-Za-z]:", relpath):
+        return "absolute"
+    parts = relpath.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return "contains '..', '.' or an empty part"
+    if PurePosixPath(relpath).name in _RESERVED_NAMES and len(parts) == 1:
+        return f"{MANIFEST_NAME} is reserved for the commit marker"
+    return None

@@ -1,0 +1,156 @@
+"""Manifest v1: the commit marker of a step and the record of what it holds.
+
+A step is committed if and only if its manifest exists. The manifest lists every payload file
+with its size and CRC32C, so a reader can tell a complete, uncorrupted step from anything else
+without trusting the listing. Decoding is strict: an unknown ``schema_version`` or field is an
+error, never a guess, because a misread manifest is how a resume silently loads the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptstore.errors import CompatibilityError, CorruptCheckpointError
+from ckptstore.layout import check_relpath
+
+SCHEMA_VERSION = 1
+MAX_FILE_SIZE = 1 << 50  # 1 PiB: larger sizes in a manifest are corruption, not checkpoints
+_CRC = re.compile(r"^[0-9a-f]{8}$")
+
+KIND_STATE = "state"  # written by save(): safetensors shards + a JSON skeleton
+KIND_DIRECTORY = "directory"  # written by push_dir(): arbitrary files, fetched by pull_dir()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One payload file: path relative to the step directory, size, CRC32C as 8 hex digits."""
+
+    path: str
+    size: int
+    crc32c: str
+
+    def __post_init__(self) -> None:
+        check_relpath(self.path, where="manifest")
+        if isinstance(self.size, bool) or not isinstance(self.size, int):
+            raise CorruptCheckpointError(f"size of {self.path!r} is not an integer")
+        if not 0 <= self.size <= MAX_FILE_SIZE:
+            raise CorruptCheckpointError(
+                f"size of {self.path!r} is {self.size}, outside 0..{MAX_FILE_SIZE}"
+            )
+        if not isinstance(self.crc32c, str) or not _CRC.match(self.crc32c):
+            raise CorruptCheckpointError(
+                f"checksum of {self.path!r} is {self.crc32c!r}, expected 8 hex digits"
+            )
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Versions and host a step was written with, compared on load (see compat.py)."""
+
+    ckptstore: str
+    python: str
+    torch: str | None
+    verl: str | None
+    hostname: str
+    git_commit: str | None
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything known about one committed step."""
+
+    step: int
+    created: float
+    """Seconds since the epoch (UTC) when the step was committed."""
+    kind: str
+    files: tuple[FileEntry, ...]
+    environment: Environment
+    writer: str
+    """Who committed: ``host:pid:random``, to tell rival writers apart."""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise CorruptCheckpointError(f"step {self.step!r} is not a non-negative integer")
+        if self.kind not in (KIND_STATE, KIND_DIRECTORY):
+            raise CorruptCheckpointError(f"unknown kind {self.kind!r}")
+        if not isinstance(self.created, (int, float)) or not math.isfinite(self.created):
+            raise CorruptCheckpointError(f"created time {self.created!r} is not a time")
+        paths = [f.path for f in self.files]
+        if len(set(paths)) != len(paths):
+            raise CorruptCheckpointError("a file is listed twice")
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def file(self, path: str) -> FileEntry:
+        for entry in self.files:
+            if entry.path == path:
+                return entry
+        raise KeyError(path)
+
+    def encode(self) -> bytes:
+        body = asdict(self)
+        body["files"] = [asdict(f) for f in self.files]
+        body["metadata"] = dict(self.metadata)
+        return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, *, where: str) -> Manifest:
+        """Parse strictly; ``where`` (the manifest's URI) goes into every error message."""
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: manifest is not valid JSON ({e}); it is corrupt or truncated. "
+                "Load an earlier step, or delete this one with `ckptstore rm`"
+            ) from e
+        if not isinstance(body, dict):
+            raise CorruptCheckpointError(f"{where}: manifest is not a JSON object")
+        version = body.get("schema_version")
+        if version != SCHEMA_VERSION:
+            if isinstance(version, int) and version > SCHEMA_VERSION:
+                raise CompatibilityError(
+                    f"{where}: manifest schema_version {version} is newer than this ckptstore "
+                    f"reads (up to {SCHEMA_VERSION}); upgrade ckptstore to load it"
+                )
+            raise CorruptCheckpointError(
+                f"{where}: manifest schema_version is {version!r}, expected {SCHEMA_VERSION}"
+            )
+        try:
+            _expect_keys(body, cls, where)
+            _expect_keys(body["environment"], Environment, f"{where} environment")
+            files = []
+            for f in body["files"]:
+                _expect_keys(f, FileEntry, f"{where} file entry")
+                files.append(FileEntry(**f))
+            if not isinstance(body["metadata"], dict):
+                raise CorruptCheckpointError(f"{where}: metadata is not an object")
+            return cls(
+                **{**body, "files": tuple(files), "environment": Environment(**body["environment"])}
+            )
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(
+                f"{where}: {e}. The manifest is corrupt; load an earlier step"
+            ) from e
+        except (TypeError, KeyError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from e
+
+
+def _expect_keys(body: object, kind: type, where: str) -> None:
+    if not isinstance(body, dict):
+        raise CorruptCheckpointError(f"{where} is not a JSON object")
+    expected = set(kind.__dataclass_fields__)  # type: ignore[attr-defined]
+    if set(body) != expected:
+        missing, unknown = expected - set(body), set(body) - expected
+        raise CorruptCheckpointError(
+            f"{where} has missing fields {sorted(missing)} or unknown fields {sorted(unknown)}"
+        )

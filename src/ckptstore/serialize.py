@@ -1,0 +1,363 @@
+"""State dicts to files and back, without pickle.
+
+A state is split in two: every tensor goes into safetensors shards, and the structure around
+them (dicts, lists, tuples, str, int, float, bool, None) into a JSON skeleton that refers to
+tensors by name. Neither format can execute code on load, which matters because a writable
+bucket must not become code execution on the machines that resume from it.
+
+The safetensors bytes are produced part by part (header, then each tensor's own memory), so a
+shard streams into storage without a whole-file copy in memory. Tensors are laid out by
+descending element size, so every tensor starts at an offset aligned to its element size and
+loads as a zero-copy view of the bytes read. Tensors that share memory (tied weights) are
+stored once and come back as one tensor object.
+
+Anything else in a state is an error at save time, naming where it sits. Callers who accept
+the risk can pass ``allow_pickle=True`` to keep such objects in a separate pickle file, which
+``load`` then refuses to read unless it is given ``allow_pickle=True`` as well.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptstore.backends.base import Chunk
+from ckptstore.errors import CorruptCheckpointError, SerializationError, UnsafeLoadError
+
+SKELETON_FILE = "state.json"
+PICKLE_FILE = "objects.pt"
+SHARD_PATTERN = "tensors-{:05d}.safetensors"
+DEFAULT_SHARD_SIZE = 1 << 30
+FORMAT = "ckptstore-state-1"
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+_CODES = {code: dtype for dtype, code in _DTYPES.items()}
+_SUPPORTED = "tensors, dict, list, tuple, str, int, float, bool and None"
+
+
+@dataclass
+class Shard:
+    """One safetensors file: tensors by name, in the order their bytes are written."""
+
+    path: str
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def header(self) -> bytes:
+        entries: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
+        offset = 0
+        for name, tensor in self.tensors.items():
+            end = offset + tensor.numel() * tensor.element_size()
+            entries[name] = {
+                "dtype": _DTYPES[tensor.dtype],
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, end],
+            }
+            offset = end
+        body = json.dumps(entries, separators=(",", ":")).encode()
+        body += b" " * (-len(body) % 8)  # keep the data section 8-byte aligned
+        return struct.pack("<Q", len(body)) + body
+
+    @property
+    def size(self) -> int:
+        return len(self.header()) + self.nbytes
+
+    def chunks(self) -> Iterator[Chunk]:
+        yield self.header()
+        for tensor in self.tensors.values():
+            if tensor.numel():
+                yield memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+@dataclass
+class PayloadFile:
+    """A file to write: its path in the step, size, and a producer of its bytes."""
+
+    path: str
+    size: int
+    chunks: Callable[[], Iterator[Chunk]]
+
+
+@dataclass
+class EncodedState:
+    """A state ready to write: the skeleton, tensor shards and optional pickle."""
+
+    skeleton: bytes
+    shards: list[Shard]
+    pickled: bytes | None = None
+
+    def files(self) -> list[PayloadFile]:
+        files = [PayloadFile(s.path, s.size, s.chunks) for s in self.shards]
+        for path, data in ((SKELETON_FILE, self.skeleton), (PICKLE_FILE, self.pickled)):
+            if data is not None:
+                files.append(PayloadFile(path, len(data), _single(data)))
+        return files
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files())
+
+
+def _single(data: bytes) -> Callable[[], Iterator[Chunk]]:
+    return lambda: iter((data,))
+
+
+def encode_state(
+    state: Any,
+    *,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    allow_pickle: bool = False,
+    snapshot: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> EncodedState:
+    """Split ``state`` into a JSON skeleton and tensor shards.
+
+    ``snapshot`` turns each tensor into the CPU tensor to store (default: a detached,
+    contiguous view when the tensor is already on the CPU, a copy otherwise); an async save
+    passes a function that clones, so training may go on changing the originals.
+    """
+    encoder = _Encoder(allow_pickle, snapshot or _as_cpu)
+    skeleton = encoder.encode(state, "state")
+    shards = _shard(encoder.tensors, shard_size)
+    names = {name: shard.path for shard in shards for name in shard.tensors}
+    body = {"format": FORMAT, "state": skeleton, "shards": names}
+    pickled = None
+    if encoder.objects:
+        buffer = io.BytesIO()
+        torch.save(encoder.objects, buffer)
+        pickled = buffer.getvalue()
+    return EncodedState(json.dumps(body, allow_nan=False).encode(), shards, pickled)
+
+
+def _as_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+
+
+class _Encoder:
+    def __init__(self, allow_pickle: bool, snapshot: Callable[[torch.Tensor], torch.Tensor]):
+        self.allow_pickle = allow_pickle
+        self.snapshot = snapshot
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.objects: list[Any] = []
+        self._seen_tensors: dict[tuple[Any, ...], str] = {}
+        self._active: set[int] = set()
+
+    def encode(self, value: Any, where: str) -> Any:
+        kind = type(value)
+        if value is None or kind in (str, int, bool):
+            return value
+        if kind is float:
+            return value if math.isfinite(value) else {"$float": repr(value)}
+        if isinstance(value, torch.Tensor):
+            return {"$tensor": self._tensor(value, where)}
+        if kind is torch.Size:
+            return {"$size": list(value)}
+        if kind is torch.dtype:
+            return {"$dtype": str(value).removeprefix("torch.")}
+        if kind in (list, tuple) or isinstance(value, dict):
+            return self._container(value, where)
+        if self.allow_pickle:
+            self.objects.append(value)
+            return {"$pickle": len(self.objects) - 1}
+        raise SerializationError(
+            f"{where}: cannot save an object of type {kind.__module__}.{kind.__qualname__}; "
+            f"the safe format holds {_SUPPORTED}. Convert it (to a tensor or a dict), or pass "
+            "allow_pickle=True to store it with pickle (loading then needs allow_pickle=True)"
+        )
+
+    def _container(self, value: Any, where: str) -> Any:
+        if id(value) in self._active:
+            raise SerializationError(f"{where}: the state contains a reference cycle")
+        self._active.add(id(value))
+        try:
+            if isinstance(value, dict):
+                if all(type(k) is str and not k.startswith("$") for k in value):
+                    return {k: self.encode(v, f"{where}[{k!r}]") for k, v in value.items()}
+                return {
+                    "$dict": [
+                        [self.encode(k, f"{where} key {k!r}"), self.encode(v, f"{where}[{k!r}]")]
+                        for k, v in value.items()
+                    ]
+                }
+            items = [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            return items if type(value) is list else {"$tuple": items}
+        finally:
+            self._active.discard(id(value))
+
+    def _tensor(self, tensor: torch.Tensor, where: str) -> str:
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+            raise SerializationError(
+                f"{where}: cannot save a {tensor.layout} tensor; convert it with .to_dense() first"
+            )
+        if tensor.device.type == "meta":
+            raise SerializationError(f"{where}: a tensor on the meta device holds no data")
+        if tensor.dtype not in _DTYPES:
+            raise SerializationError(f"{where}: tensors of dtype {tensor.dtype} are not supported")
+        key = (
+            tensor.device,
+            tensor.data_ptr(),
+            tensor.dtype,
+            tuple(tensor.shape),
+            tensor.stride(),
+        )
+        if tensor.numel() and key in self._seen_tensors:
+            return self._seen_tensors[key]
+        name = str(len(self.tensors))
+        self.tensors[name] = self.snapshot(tensor)
+        if tensor.numel():
+            self._seen_tensors[key] = name
+        return name
+
+
+def _shard(tensors: Mapping[str, torch.Tensor], shard_size: int) -> list[Shard]:
+    """Group tensors into shards of about ``shard_size`` bytes, in state order."""
+    shards: list[Shard] = []
+    current = Shard(SHARD_PATTERN.format(0))
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current.tensors and size + nbytes > shard_size:
+            shards.append(current)
+            current, size = Shard(SHARD_PATTERN.format(len(shards))), 0
+        current.tensors[name] = tensor
+        size += nbytes
+    if current.tensors or not shards:
+        shards.append(current)
+    for shard in shards:  # widest elements first keeps every tensor aligned
+        shard.tensors = dict(sorted(shard.tensors.items(), key=lambda kv: -kv[1].element_size()))
+    return shards
+
+
+def decode_shard(data: bytearray, where: str) -> dict[str, torch.Tensor]:
+    """Tensors of one safetensors file, as views of ``data`` (no copy)."""
+    try:
+        (header_len,) = struct.unpack_from("<Q", data, 0)
+        if header_len > len(data) - 8:
+            raise ValueError(f"header length {header_len} exceeds the file size {len(data)}")
+        header = json.loads(bytes(data[8 : 8 + header_len]))
+        start = 8 + header_len
+        tensors = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _CODES[entry["dtype"]]
+            begin, end = (start + int(o) for o in entry["data_offsets"])
+            shape = [int(d) for d in entry["shape"]]
+            count = math.prod(shape)
+            if end > len(data) or end - begin != count * dtype.itemsize:
+                raise ValueError(f"tensor {name!r} lies outside the file or has a wrong size")
+            if count == 0:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+            else:
+                flat = torch.frombuffer(data, dtype=dtype, count=count, offset=begin)
+                tensors[name] = flat.reshape(shape)
+        return tensors
+    except (ValueError, KeyError, TypeError, struct.error, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{where}: not a valid safetensors file ({e})") from e
+
+
+def decode_state(
+    read: Callable[[str], bytearray], *, where: str, allow_pickle: bool = False
+) -> Any:
+    """Rebuild a state; ``read(path)`` returns a verified file of the step."""
+    try:
+        body = json.loads(bytes(read(SKELETON_FILE)))
+        if body.get("format") != FORMAT:
+            raise CorruptCheckpointError(f"{where}: unknown state format {body.get('format')!r}")
+        shard_of: dict[str, str] = body["shards"]
+        skeleton = body["state"]
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{where}: {SKELETON_FILE} is malformed ({e!r})") from e
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(set(shard_of.values())):
+        tensors.update(decode_shard(read(path), f"{where}/{path}"))
+    objects: list[Any] | None = None
+
+    def load_objects() -> list[Any]:
+        nonlocal objects
+        if objects is None:
+            if not allow_pickle:
+                raise UnsafeLoadError(
+                    f"{where}: this step holds pickled objects, and unpickling runs code from "
+                    "the store. Load with allow_pickle=True only if you trust every writer"
+                )
+            objects = torch.load(io.BytesIO(read(PICKLE_FILE)), weights_only=False)
+        return objects
+
+    return _Decoder(tensors, load_objects, where).decode(skeleton)
+
+
+@dataclass
+class _Decoder:
+    tensors: dict[str, torch.Tensor]
+    objects: Callable[[], list[Any]]
+    where: str
+
+    def decode(self, value: Any) -> Any:
+        if isinstance(value, list):
+            return [self.decode(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        if len(value) == 1:
+            ((tag, inner),) = value.items()
+            if tag.startswith("$"):
+                return self._tagged(tag, inner)
+        return {k: self.decode(v) for k, v in value.items()}
+
+    def _tagged(self, tag: str, inner: Any) -> Any:
+        try:
+            if tag == "$tensor":
+                return self.tensors[inner]
+            if tag == "$tuple":
+                return tuple(self.decode(v) for v in inner)
+            if tag == "$dict":
+                return {_hashable(self.decode(k)): self.decode(v) for k, v in inner}
+            if tag == "$float":
+                return float(inner)
+            if tag == "$size":
+                return torch.Size(inner)
+            if tag == "$dtype" and isinstance(getattr(torch, inner, None), torch.dtype):
+                return getattr(torch, inner)
+            if tag == "$pickle":
+                return self.objects()[inner]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptCheckpointError(
+                f"{self.where}: {SKELETON_FILE} refers to {tag} {inner!r}, which is missing"
+            ) from e
+        raise CorruptCheckpointError(f"{self.where}: {SKELETON_FILE} has unknown tag {tag!r}")
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        return tuple(_hashable(k) for k in key)
+    return key

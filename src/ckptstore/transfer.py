@@ -1,0 +1,75 @@
+"""Moving whole directories between a local disk and a store, safely.
+
+``scan_dir`` decides which local files a push takes: regular files, and symlinks only while
+they resolve inside the directory (a link to ``/etc`` or ``~/.aws`` would otherwise upload
+secrets). ``download_dir`` writes each file to a temp name and renames it into place, after
+checking the target stays inside the destination, so a hostile manifest cannot write outside
+it and an interrupted pull never leaves a half-written file under its real name.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ckptstore.errors import ConfigError, CorruptCheckpointError
+from ckptstore.manifest import FileEntry
+
+PULL_WORKERS = 8
+
+
+def scan_dir(root: Path) -> list[tuple[str, Path]]:
+    """``(relative path, file)`` for each file a push of ``root`` takes, sorted."""
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a directory; push takes the directory of one step")
+    base = root.resolve()
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            path = Path(dirpath, name)
+            if path.is_symlink() and not path.resolve().is_relative_to(base):
+                raise ConfigError(
+                    f"{path} is a symlink to {path.resolve()}, outside {root}; push only takes "
+                    "files inside the directory. Copy the target in, or remove the link"
+                )
+        for name in filenames:
+            path = Path(dirpath, name)
+            rel = path.relative_to(root).as_posix()
+            if "\\" in rel:
+                raise ConfigError(f"{path}: file names with a backslash cannot be pushed")
+            found.append((rel, path))
+    if not found:
+        raise ConfigError(f"{root} holds no files; there is nothing to push")
+    return sorted(found)
+
+
+def download_dir(
+    entries: Iterable[FileEntry], target: Path, read: Callable[[FileEntry], bytes | bytearray]
+) -> None:
+    """Write each entry under ``target``; ``read`` returns its verified bytes."""
+    base = target.resolve()
+
+    def fetch(entry: FileEntry) -> None:
+        dest = (base / entry.path).resolve()
+        if not dest.is_relative_to(base) or dest == base:
+            raise CorruptCheckpointError(
+                f"manifest entry {entry.path!r} would be written outside {target}; refusing"
+            )
+        data = read(entry)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".ckpt-tmp-{uuid.uuid4().hex[:12]}-{dest.name}"[:255])
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    with ThreadPoolExecutor(PULL_WORKERS, thread_name_prefix="ckpt-pull") as pool:
+        list(pool.map(fetch, list(entries)))
