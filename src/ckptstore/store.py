@@ -27,6 +27,7 @@ from ckptstore.commit import Committer, Progress, SourceFile, iter_file
 from ckptstore.compat import check_compat, check_mode, current_environment
 from ckptstore.errors import (
     CheckpointError,
+    CompatibilityError,
     ConfigError,
     ConflictError,
     CorruptCheckpointError,
@@ -274,7 +275,7 @@ class CheckpointStore:
                 return self._committer.read_manifest(step)
             except NotFoundError:
                 return None  # a directory without a manifest: not committed
-            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+            except (CorruptCheckpointError, CompatibilityError) as e:
                 return e
 
         steps = self._committer.step_dirs()
@@ -519,9 +520,10 @@ class CheckpointStore:
                 ]
             elif all(_old(o.mtime, cutoff) for o in objects):
                 doomed += [o.path for o in objects]
-        doomed += [
-            layout.pin_path(s) for s in self.pins() if s not in manifests and s not in broken
-        ]
+        for pin in self.backend.list(layout.PINS_DIR + "/"):
+            pinned = layout.parse_step_dir(pin.path.rsplit("/", 1)[-1])
+            if pinned not in manifests and pinned not in broken and _old(pin.mtime, cutoff):
+                doomed.append(pin.path)
         partial = [p for p in self.backend.partial_writes("") if _old(p.started, cutoff)]
         if not dry_run:
             self.backend.delete(doomed)

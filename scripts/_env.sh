@@ -1,0 +1,24 @@
+# Sourced by scripts/demo and scripts/test: make .venv and install ckptstore into it.
+# Re-installs only when pyproject.toml changed since the last install.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+extras="${CKPTSTORE_EXTRAS:-test}"
+stamp="$venv/.installed-$extras"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup: creating $venv" >&2
+  "$python" -m venv "$venv"
+fi
+want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setup: installing ckptstore[$extras] into $venv (first run takes a few minutes)" >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2
+  # The CPU build of torch: a plain `torch` requirement would pull a multi-GB CUDA build.
+  "$venv/bin/python" -m pip install -q "torch==${CKPTSTORE_TORCH:-2.13.0}" >&2
+  "$venv/bin/python" -m pip install -q -e "$root[$extras]" >&2
+  echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"
+cd "$root"
