@@ -48,7 +48,9 @@ def snapshot(store: CheckpointStore, skip: int | None = None) -> dict[str, bytes
     return objects
 
 
-def rewrite_manifest(store: CheckpointStore, step: int, edit: Callable[[dict[str, Any]], Any]) -> None:
+def rewrite_manifest(
+    store: CheckpointStore, step: int, edit: Callable[[dict[str, Any]], Any]
+) -> None:
     body = json.loads(store.backend.read(manifest_path(step)))
     edit(body)
     store.backend.delete([manifest_path(step)])
@@ -66,7 +68,7 @@ class Case:
 
 
 def _flip(store: CheckpointStore, step: int) -> None:
-    path = payload_path(step, "tensors-00000.safetensors")
+    path = payload_path(step, "w-00000.safetensors")
     data = bytearray(store.backend.read(path))
     data[-1] ^= 0xFF
     store.backend.write(path, [bytes(data)])
@@ -80,53 +82,131 @@ def _corrupt_manifest(store: CheckpointStore, data: bytes) -> None:
 CASES = [
     Case("malformed URI", lambda s, t: CheckpointStore("bad:uri/x"), ConfigError, "malformed"),
     Case("empty URI", lambda s, t: CheckpointStore(""), ConfigError, "non-empty string"),
-    Case("unknown scheme", lambda s, t: CheckpointStore("nope://b/x"), ConfigError,
-         "unknown URI scheme 'nope'"),
-    Case("local store with storage options",
-         lambda s, t: CheckpointStore(str(t), storage_options={"endpoint_url": "x"}),
-         ConfigError, "take no storage options"),
+    Case(
+        "unknown scheme",
+        lambda s, t: CheckpointStore("nope://b/x"),
+        ConfigError,
+        "unknown URI scheme 'nope'",
+    ),
+    Case(
+        "local store with storage options",
+        lambda s, t: CheckpointStore(str(t), storage_options={"endpoint_url": "x"}),
+        ConfigError,
+        "take no storage options",
+    ),
     Case("negative step", lambda s, t: s.save(-1, {}), ConfigError, "non-negative integer"),
     Case("float step", lambda s, t: s.load(1.5), ConfigError, "non-negative integer"),  # type: ignore[arg-type]
     Case("text step", lambda s, t: s.pin("abc"), ConfigError, "non-negative integer"),  # type: ignore[arg-type]
     Case("step not found", lambda s, t: s.load(99), NotFoundError, "step 99 is not committed"),
-    Case("pull of a missing step", lambda s, t: s.pull_dir(t / "out", 99), NotFoundError,
-         "step 99 is not committed"),
-    Case("empty store", lambda s, t: CheckpointStore(str(t / "empty")).load(), NotFoundError,
-         "holds no committed step"),
-    Case("committing a step twice", lambda s, t: s.save(2, state_for(3)), CheckpointError,
-         "already committed"),
-    Case("unsupported object", lambda s, t: s.save(3, {"x": object()}), SerializationError,
-         "state['x']: cannot save an object of type builtins.object"),
-    Case("metadata that is not JSON", lambda s, t: s.save(3, {}, metadata={"t": torch.ones(1)}),
-         ConfigError, "metadata must hold only JSON values"),
-    Case("push of a missing directory", lambda s, t: s.push_dir(3, t / "nowhere"), ConfigError,
-         "is not a directory"),
-    Case("corrupt manifest",
-         lambda s, t: (_corrupt_manifest(s, b'{"schema_version": 1, "st'), s.load(2)),
-         CorruptCheckpointError, "corrupt or truncated", damages=2, resumes_at=1),
-    Case("truncated manifest",
-         lambda s, t: (_corrupt_manifest(s, s.backend.read(manifest_path(2))[:-30]), s.load(2)),
-         CorruptCheckpointError, "global_step_2/ckptstore.manifest.json", damages=2, resumes_at=1),
-    Case("manifest from a newer schema",
-         lambda s, t: (rewrite_manifest(s, 2, lambda b: b.update(schema_version=9)), s.load(2)),
-         CompatibilityError, "upgrade ckptstore", damages=2, resumes_at=CompatibilityError),
-    Case("checksum mismatch", lambda s, t: (_flip(s, 2), s.load(2)), CorruptCheckpointError,
-         "tensors-00000.safetensors: checksum mismatch", damages=2, resumes_at=1),
-    Case("path traversal in a manifest",
-         lambda s, t: (rewrite_manifest(s, 2, lambda b: b["files"][0].update(path="../../evil")),
-                       s.pull_dir(t / "out", 2)),
-         CorruptCheckpointError, "unsafe file path '../../evil'", damages=2, resumes_at=1),
-    Case("version mismatch under compat=strict",
-         lambda s, t: (rewrite_manifest(s, 2, lambda b: b["environment"].update(torch="1.0.0")),
-                       CheckpointStore(s.uri, compat="strict").load(2)),
-         CompatibilityError, "torch 1.0.0 (written)", damages=2, resumes_at=2),
-    Case("unknown compat mode", lambda s, t: CheckpointStore(s.uri, compat="loose"), ConfigError,
-         "compat must be one of strict, warn, ignore"),
-    Case("bad retention", lambda s, t: CheckpointStore(s.uri, keep_last=0), ConfigError,
-         "keep_last must be a positive integer"),
+    Case(
+        "pull of a missing step",
+        lambda s, t: s.pull_dir(t / "out", 99),
+        NotFoundError,
+        "step 99 is not committed",
+    ),
+    Case(
+        "empty store",
+        lambda s, t: CheckpointStore(str(t / "empty")).load(),
+        NotFoundError,
+        "holds no committed step",
+    ),
+    Case(
+        "committing a step twice",
+        lambda s, t: s.save(2, state_for(3)),
+        CheckpointError,
+        "already committed",
+    ),
+    Case(
+        "unsupported object",
+        lambda s, t: s.save(3, {"x": object()}),
+        SerializationError,
+        "state['x']: cannot save an object of type builtins.object",
+    ),
+    Case(
+        "metadata that is not JSON",
+        lambda s, t: s.save(3, {}, metadata={"t": torch.ones(1)}),
+        ConfigError,
+        "metadata must hold only JSON values",
+    ),
+    Case(
+        "push of a missing directory",
+        lambda s, t: s.push_dir(3, t / "nowhere"),
+        ConfigError,
+        "is not a directory",
+    ),
+    Case(
+        "corrupt manifest",
+        lambda s, t: (_corrupt_manifest(s, b'{"schema_version": 1, "st'), s.load(2)),
+        CorruptCheckpointError,
+        "corrupt or truncated",
+        damages=2,
+        resumes_at=1,
+    ),
+    Case(
+        "truncated manifest",
+        lambda s, t: (_corrupt_manifest(s, s.backend.read(manifest_path(2))[:-30]), s.load(2)),
+        CorruptCheckpointError,
+        "global_step_2/ckptstore.manifest.json",
+        damages=2,
+        resumes_at=1,
+    ),
+    Case(
+        "manifest from a newer schema",
+        lambda s, t: (rewrite_manifest(s, 2, lambda b: b.update(schema_version=9)), s.load(2)),
+        CompatibilityError,
+        "upgrade ckptstore",
+        damages=2,
+        resumes_at=CompatibilityError,
+    ),
+    Case(
+        "checksum mismatch",
+        lambda s, t: (_flip(s, 2), s.load(2)),
+        CorruptCheckpointError,
+        "w-00000.safetensors: checksum mismatch",
+        damages=2,
+        resumes_at=1,
+    ),
+    Case(
+        "path traversal in a manifest",
+        lambda s, t: (
+            rewrite_manifest(s, 2, lambda b: b["files"][0].update(path="../../evil")),
+            s.pull_dir(t / "out", 2),
+        ),
+        CorruptCheckpointError,
+        "unsafe file path '../../evil'",
+        damages=2,
+        resumes_at=1,
+    ),
+    Case(
+        "version mismatch under compat=strict",
+        lambda s, t: (
+            rewrite_manifest(s, 2, lambda b: b["environment"].update(torch="1.0.0")),
+            CheckpointStore(s.uri, compat="strict").load(2),
+        ),
+        CompatibilityError,
+        "torch 1.0.0 (written)",
+        damages=2,
+        resumes_at=2,
+    ),
+    Case(
+        "unknown compat mode",
+        lambda s, t: CheckpointStore(s.uri, compat="loose"),
+        ConfigError,
+        "compat must be one of strict, warn, ignore",
+    ),
+    Case(
+        "bad retention",
+        lambda s, t: CheckpointStore(s.uri, keep_last=0),
+        ConfigError,
+        "keep_last must be a positive integer",
+    ),
     Case("prune without a policy", lambda s, t: s.prune(), ConfigError, "no retention policy"),
-    Case("rm of the latest step", lambda s, t: s.delete(2), CheckpointError,
-         "is the latest step; unpin it first or pass force=True"),
+    Case(
+        "rm of the latest step",
+        lambda s, t: s.delete(2),
+        CheckpointError,
+        "is the latest step; unpin it first or pass force=True",
+    ),
 ]
 
 

@@ -43,7 +43,11 @@ def make_store(backend_uri: tuple[str, dict[str, Any]]) -> StoreFactory:
 
 def state_for(step: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(32, generator=gen), "step": step}
+    return {
+        "w": torch.randn(64, 32, generator=gen),
+        "b": torch.randn(32, generator=gen),
+        "step": step,
+    }
 
 
 def assert_state_is(state: dict[str, Any], step: int) -> None:
@@ -116,7 +120,9 @@ def test_concurrent_commits_of_one_step_let_exactly_one_win(make_store: StoreFac
 # -- 2. committed steps are immutable ------------------------------------------------------
 
 
-def test_committing_a_step_twice_is_a_clear_error_and_changes_nothing(make_store: StoreFactory) -> None:
+def test_committing_a_step_twice_is_a_clear_error_and_changes_nothing(
+    make_store: StoreFactory,
+) -> None:
     store = make_store()
     store.save(7, state_for(7))
     before = store.info(7).files
@@ -248,11 +254,11 @@ def test_corrupt_payload_is_named_and_resume_falls_back(
     store = make_store()
     store.save(1, state_for(1))
     store.save(2, state_for(2))
-    corrupt(store, 2, "tensors-00000.safetensors", how)
+    corrupt(store, 2, "w-00000.safetensors", how)
     with pytest.raises(CorruptCheckpointError) as caught:
         store.load(2)
     message = str(caught.value)
-    assert "tensors-00000.safetensors" in message and "step 2" in message
+    assert "w-00000.safetensors" in message and "step 2" in message
     with caplog.at_level(logging.WARNING):
         assert_state_is(store.load(), 1)
     assert "step 2 failed verification" in caplog.text
@@ -363,7 +369,9 @@ def test_failing_the_nth_operation_never_exposes_a_bad_step(
     backend_uri: tuple[str, dict[str, Any]], mode: str, tmp_path: Path
 ) -> None:
     uri, options = backend_uri
-    total = count_operations(lambda **kw: CheckpointStore(f"{uri}/count", storage_options=options, **kw))
+    total = count_operations(
+        lambda **kw: CheckpointStore(f"{uri}/count", storage_options=options, **kw)
+    )
     assert total > 20
     for n in range(1, total + 1):
         raw = open_backend(f"{uri}/n{n}", options)

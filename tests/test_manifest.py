@@ -19,7 +19,10 @@ def manifest(**changes: Any) -> Manifest:
         "step": 7,
         "created": 1700000000.5,
         "kind": KIND_STATE,
-        "files": (FileEntry("actor/model.pt", 10, "0badf00d"), FileEntry("state.json", 2, "00000000")),
+        "files": (
+            FileEntry("actor/model.pt", 10, "0badf00d"),
+            FileEntry("state.json", 2, "00000000"),
+        ),
         "environment": ENV,
         "writer": "host:1:abc",
         "metadata": {"loss": 0.5, "tags": ["a"]},
@@ -89,16 +92,35 @@ def test_strict_decoding_names_the_manifest_and_the_problem(
 
 @pytest.mark.parametrize(
     "path",
-    ["../x", "a/../../x", "/etc/passwd", "C:/x", "a\\b", "", "a//b", "./a", "a/./b", "x\x00y",
-     "ckptstore.manifest.json"],
+    [
+        "../x",
+        "a/../../x",
+        "/etc/passwd",
+        "C:/x",
+        "a\\b",
+        "",
+        "a//b",
+        "./a",
+        "a/./b",
+        "x\x00y",
+        "ckptstore.manifest.json",
+    ],
 )
 def test_unsafe_relative_paths_are_rejected(path: str) -> None:
     with pytest.raises(CorruptCheckpointError, match="unsafe file path"):
         check_relpath(path, where="manifest")
 
 
-@pytest.mark.parametrize("path", ["a", "actor/model_world_size_2_rank_0.pt", "huggingface/x.json",
-                                  "ünïcode/файл.bin", "sub/ckptstore.manifest.json"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "a",
+        "actor/model_world_size_2_rank_0.pt",
+        "huggingface/x.json",
+        "ünïcode/файл.bin",
+        "sub/ckptstore.manifest.json",
+    ],
+)
 def test_ordinary_relative_paths_pass(path: str) -> None:
     assert check_relpath(path, where="m") == path
 

@@ -57,8 +57,18 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 ALL_DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
     torch.float8_e5m2,
 ]
 
@@ -80,7 +90,9 @@ def test_nan_payloads_and_negative_zero_survive() -> None:
 
 def test_model_and_optimizer_state_round_trip_and_reload() -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(5, 4)).sum().backward()
     opt.step()
@@ -119,7 +131,7 @@ def test_views_non_contiguous_and_tied_tensors() -> None:
 
 
 def test_large_states_are_split_into_shards_that_safetensors_reads() -> None:
-    state = {f"w{i}": torch.full((256,), float(i)) for i in range(10)}  # 1 KiB each
+    state = {"w": [torch.full((256,), float(i)) for i in range(10)]}  # 1 KiB each
     files = files_of(state, shard_size=3000)
     shards = sorted(p for p in files if p.endswith(".safetensors"))
     assert len(shards) == 5  # two 1 KiB tensors fit in 3000 bytes
@@ -128,10 +140,28 @@ def test_large_states_are_split_into_shards_that_safetensors_reads() -> None:
     assert_same(decode_state(files.__getitem__, where="t"), state)
 
 
+def test_top_level_keys_get_files_of_their_own() -> None:
+    state = {
+        "model": {"w": torch.ones(2)},
+        "optimizer": {0: torch.ones(2)},
+        "a/b": torch.ones(1),
+        "loose": [torch.ones(1)],
+        3: torch.ones(1),
+    }
+    shards = {s.path for s in encode_state(state).shards}
+    assert shards == {
+        "model-00000.safetensors",
+        "optimizer-00000.safetensors",
+        "a_b-00000.safetensors",
+        "loose-00000.safetensors",
+        "tensors-00000.safetensors",
+    }
+
+
 def test_tensor_offsets_stay_aligned_when_dtypes_mix() -> None:
-    state = {"b": torch.ones(3, dtype=torch.bool), "d": torch.ones(3, dtype=torch.float64)}
+    state = {"m": {"b": torch.ones(3, dtype=torch.bool), "d": torch.ones(3, dtype=torch.float64)}}
     files = files_of(state)
-    tensors = decode_shard(files["tensors-00000.safetensors"], "t")
+    tensors = decode_shard(files["m-00000.safetensors"], "t")
     assert all(t.data_ptr() % t.element_size() == 0 for t in tensors.values())
 
 
@@ -151,7 +181,9 @@ class Opaque:
         ({"bytes": b"x"}, "state['bytes']"),
     ],
 )
-def test_unsupported_objects_are_refused_at_save_naming_where_they_are(state: Any, where: str) -> None:
+def test_unsupported_objects_are_refused_at_save_naming_where_they_are(
+    state: Any, where: str
+) -> None:
     with pytest.raises(SerializationError) as caught:
         encode_state(state)
     assert where in str(caught.value)
@@ -199,8 +231,8 @@ class Exploding:
     [
         lambda f: f.__setitem__(SKELETON_FILE, bytearray(b"{")),
         lambda f: f.__setitem__(SKELETON_FILE, bytearray(json.dumps({"format": "x"}).encode())),
-        lambda f: f.__setitem__("tensors-00000.safetensors", f["tensors-00000.safetensors"][:20]),
-        lambda f: f.__setitem__("tensors-00000.safetensors", bytearray(b"\xff" * 16)),
+        lambda f: f.__setitem__("x-00000.safetensors", f["x-00000.safetensors"][:20]),
+        lambda f: f.__setitem__("x-00000.safetensors", bytearray(b"\xff" * 16)),
     ],
 )
 def test_malformed_files_are_corruption_errors(mutate: Any) -> None:

@@ -25,7 +25,7 @@ def test_save_returns_info_that_matches_what_is_stored(store: CheckpointStore) -
     assert info.step == 3
     assert info.uri.endswith("/global_step_3")
     assert info.metadata == {"loss": 0.25, "tags": ["warmup"]}
-    assert {f.path for f in info.files} == {"state.json", "tensors-00000.safetensors"}
+    assert {f.path for f in info.files} == {"state.json", "w-00000.safetensors"}
     assert info.size == sum(f.size for f in info.files) > 64
     assert abs(info.time - store.clock()) < 60
     env = info.manifest.environment
@@ -75,7 +75,9 @@ def test_push_and_pull_a_directory_byte_identical(store: CheckpointStore, tmp_pa
         store.load(5)
 
 
-def test_push_refuses_symlinks_that_leave_the_directory(store: CheckpointStore, tmp_path: Path) -> None:
+def test_push_refuses_symlinks_that_leave_the_directory(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
     src = tmp_path / "step"
     src.mkdir()
     (src / "ok.bin").write_bytes(b"1")
@@ -152,7 +154,9 @@ def test_gc_removes_garbage_only_once_it_is_old(store: CheckpointStore) -> None:
     assert store.gc().deleted == ()  # too young: could be a save in flight elsewhere
     report = store.gc(dry_run=True, older_than=0)
     assert set(report.deleted) == {
-        payload_path(1, "leftover.bin"), payload_path(2, "state.json"), pin_path(9)
+        payload_path(1, "leftover.bin"),
+        payload_path(2, "state.json"),
+        pin_path(9),
     }
     assert store.backend.stat(payload_path(2, "state.json")) is not None
     assert store.gc(older_than=0).deleted == report.deleted
@@ -164,7 +168,7 @@ def test_verify_all_reports_every_bad_step(store: CheckpointStore) -> None:
     for step in (1, 2, 3):
         store.save(step, state_for(step))
     store.backend.write(payload_path(1, "state.json"), [b"{}"])
-    store.backend.delete([payload_path(3, "tensors-00000.safetensors")])
+    store.backend.delete([payload_path(3, "w-00000.safetensors")])
     reports = {r.step: r for r in store.verify_all()}
     assert reports[2].ok
     assert "checksum" in reports[1].problems[0] or "bytes" in reports[1].problems[0]

@@ -79,10 +79,11 @@ class Pointer:
 
 @dataclass(frozen=True)
 class SourceFile:
-    """A payload file to write: path in the step, and a producer of its bytes."""
+    """A payload file to write: path in the step, a producer of its bytes, its size if known."""
 
     path: str
     chunks: Callable[[], Iterable[Chunk]]
+    size: int | None = None
 
 
 class Committer:
@@ -151,22 +152,39 @@ class Committer:
     # -- writing -------------------------------------------------------------------------
 
     def write_payload(
-        self, step: int, files: Iterable[SourceFile], progress: Progress | None = None
+        self,
+        step: int,
+        files: Iterable[SourceFile],
+        progress: Progress | None = None,
+        *,
+        previous: Manifest | None = None,
     ) -> list[FileEntry]:
         """Write every payload file (several at once); returns their manifest entries.
 
-        ``progress`` is called with the size of each chunk as it is handed to the backend.
+        A file whose size and CRC32C equal those of the same path in ``previous`` is copied
+        from there (server-side on S3, a hard link locally) instead of uploaded. ``progress``
+        is called with each chunk's size as it is handed to the backend.
         """
         sources = list(files)
-        seen = {f.path for f in sources}
-        if len(seen) != len(sources):
+        if len({f.path for f in sources}) != len(sources):
             raise ConflictError(f"step {step}: two payload files share a path")
         for source in sources:
             layout.check_relpath(source.path, where=f"step {step}")
+        earlier = {f.path: f for f in previous.files} if previous is not None else {}
 
         def write_one(source: SourceFile) -> FileEntry:
-            crc = Crc32c()
             path = layout.payload_path(step, source.path)
+            old = earlier.get(source.path)
+            if previous is not None and old is not None and old.size == source.size:
+                crc = Crc32c()
+                for chunk in source.chunks():
+                    crc.update(chunk)
+                if crc.hexdigest() == old.crc32c:
+                    self.backend.copy(layout.payload_path(previous.step, old.path), path)
+                    if progress:
+                        progress(old.size)
+                    return FileEntry(source.path, old.size, old.crc32c, previous.step)
+            crc = Crc32c()
             chunks = checksummed(source.chunks(), crc)
             size = self.backend.write(path, _reporting(chunks, progress) if progress else chunks)
             return FileEntry(source.path, size, crc.hexdigest())

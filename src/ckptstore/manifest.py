@@ -12,7 +12,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any
 
 from ckptstore.errors import CompatibilityError, CorruptCheckpointError
@@ -33,9 +33,17 @@ class FileEntry:
     path: str
     size: int
     crc32c: str
+    copied_from: int | None = None
+    """The earlier step this file was copied from unchanged (incremental saves)."""
 
     def __post_init__(self) -> None:
         check_relpath(self.path, where="manifest")
+        if self.copied_from is not None and (
+            isinstance(self.copied_from, bool)
+            or not isinstance(self.copied_from, int)
+            or self.copied_from < 0
+        ):
+            raise CorruptCheckpointError(f"copied_from of {self.path!r} is not a step")
         if isinstance(self.size, bool) or not isinstance(self.size, int):
             raise CorruptCheckpointError(f"size of {self.path!r} is not an integer")
         if not 0 <= self.size <= MAX_FILE_SIZE:
@@ -148,9 +156,11 @@ class Manifest:
 def _expect_keys(body: object, kind: type, where: str) -> None:
     if not isinstance(body, dict):
         raise CorruptCheckpointError(f"{where} is not a JSON object")
-    expected = set(kind.__dataclass_fields__)  # type: ignore[attr-defined]
-    if set(body) != expected:
-        missing, unknown = expected - set(body), set(body) - expected
+    fields = kind.__dataclass_fields__.values()  # type: ignore[attr-defined]
+    allowed = {f.name for f in fields}
+    required = {f.name for f in fields if f.default is MISSING and f.default_factory is MISSING}
+    if not required <= set(body) <= allowed:
+        missing, unknown = required - set(body), set(body) - allowed
         raise CorruptCheckpointError(
             f"{where} has missing fields {sorted(missing)} or unknown fields {sorted(unknown)}"
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ from ckptstore.errors import CorruptCheckpointError, SerializationError, UnsafeL
 
 SKELETON_FILE = "state.json"
 PICKLE_FILE = "objects.pt"
-SHARD_PATTERN = "tensors-{:05d}.safetensors"
+SHARD_PATTERN = "{}-{:05d}.safetensors"
+DEFAULT_GROUP = "tensors"
 DEFAULT_SHARD_SIZE = 1 << 30
 FORMAT = "ckptstore-state-1"
 
@@ -148,7 +150,7 @@ def encode_state(
     """
     encoder = _Encoder(allow_pickle, snapshot or _as_cpu)
     skeleton = encoder.encode(state, "state")
-    shards = _shard(encoder.tensors, shard_size)
+    shards = _shard(encoder.tensors, encoder.groups, shard_size)
     names = {name: shard.path for shard in shards for name in shard.tensors}
     body = {"format": FORMAT, "state": skeleton, "shards": names}
     pickled = None
@@ -168,24 +170,27 @@ class _Encoder:
         self.allow_pickle = allow_pickle
         self.snapshot = snapshot
         self.tensors: dict[str, torch.Tensor] = {}
+        self.groups: dict[str, str] = {}
+        """Tensor name -> the top-level key of the state it sits under."""
         self.objects: list[Any] = []
         self._seen_tensors: dict[tuple[Any, ...], str] = {}
         self._active: set[int] = set()
 
-    def encode(self, value: Any, where: str) -> Any:
+    def encode(self, value: Any, where: str, group: str | None = None) -> Any:
+        """Encode ``value`` found at ``where``; ``group`` is None only for the state itself."""
         kind = type(value)
         if value is None or kind in (str, int, bool):
             return value
         if kind is float:
             return value if math.isfinite(value) else {"$float": repr(value)}
         if isinstance(value, torch.Tensor):
-            return {"$tensor": self._tensor(value, where)}
+            return {"$tensor": self._tensor(value, where, group or DEFAULT_GROUP)}
         if kind is torch.Size:
             return {"$size": list(value)}
         if kind is torch.dtype:
             return {"$dtype": str(value).removeprefix("torch.")}
         if kind in (list, tuple) or isinstance(value, dict):
-            return self._container(value, where)
+            return self._container(value, where, group)
         if self.allow_pickle:
             self.objects.append(value)
             return {"$pickle": len(self.objects) - 1}
@@ -195,26 +200,35 @@ class _Encoder:
             "allow_pickle=True to store it with pickle (loading then needs allow_pickle=True)"
         )
 
-    def _container(self, value: Any, where: str) -> Any:
+    def _container(self, value: Any, where: str, group: str | None) -> Any:
         if id(value) in self._active:
             raise SerializationError(f"{where}: the state contains a reference cycle")
         self._active.add(id(value))
+
+        def child(key: Any) -> str:  # top-level keys name the groups of shards
+            return group if group is not None else _group_name(key)
+
         try:
             if isinstance(value, dict):
                 if all(type(k) is str and not k.startswith("$") for k in value):
-                    return {k: self.encode(v, f"{where}[{k!r}]") for k, v in value.items()}
+                    return {
+                        k: self.encode(v, f"{where}[{k!r}]", child(k)) for k, v in value.items()
+                    }
                 return {
                     "$dict": [
-                        [self.encode(k, f"{where} key {k!r}"), self.encode(v, f"{where}[{k!r}]")]
+                        [
+                            self.encode(k, f"{where} key {k!r}", child(k)),
+                            self.encode(v, f"{where}[{k!r}]", child(k)),
+                        ]
                         for k, v in value.items()
                     ]
                 }
-            items = [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            items = [self.encode(v, f"{where}[{i}]", child(None)) for i, v in enumerate(value)]
             return items if type(value) is list else {"$tuple": items}
         finally:
             self._active.discard(id(value))
 
-    def _tensor(self, tensor: torch.Tensor, where: str) -> str:
+    def _tensor(self, tensor: torch.Tensor, where: str, group: str) -> str:
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
             raise SerializationError(
                 f"{where}: cannot save a {tensor.layout} tensor; convert it with .to_dense() first"
@@ -234,28 +248,43 @@ class _Encoder:
             return self._seen_tensors[key]
         name = str(len(self.tensors))
         self.tensors[name] = self.snapshot(tensor)
+        self.groups[name] = group
         if tensor.numel():
             self._seen_tensors[key] = name
         return name
 
 
-def _shard(tensors: Mapping[str, torch.Tensor], shard_size: int) -> list[Shard]:
-    """Group tensors into shards of about ``shard_size`` bytes, in state order."""
-    shards: list[Shard] = []
-    current = Shard(SHARD_PATTERN.format(0))
-    size = 0
+def _shard(
+    tensors: Mapping[str, torch.Tensor], groups: Mapping[str, str], shard_size: int
+) -> list[Shard]:
+    """Shards of about ``shard_size`` bytes, never mixing groups (top-level keys of the state).
+
+    Keeping ``model``, ``optimizer`` and, say, a frozen ``ref`` model in files of their own
+    means a part of the state that did not change produces byte-identical files, which an
+    incremental save then copies instead of uploading.
+    """
+    by_group: dict[str, list[Shard]] = {}
+    sizes: dict[str, int] = {}
     for name, tensor in tensors.items():
+        group = groups[name]
+        shards = by_group.setdefault(group, [Shard(SHARD_PATTERN.format(group, 0))])
         nbytes = tensor.numel() * tensor.element_size()
-        if current.tensors and size + nbytes > shard_size:
-            shards.append(current)
-            current, size = Shard(SHARD_PATTERN.format(len(shards))), 0
-        current.tensors[name] = tensor
-        size += nbytes
-    if current.tensors or not shards:
-        shards.append(current)
-    for shard in shards:  # widest elements first keeps every tensor aligned
+        if shards[-1].tensors and sizes.get(group, 0) + nbytes > shard_size:
+            shards.append(Shard(SHARD_PATTERN.format(group, len(shards))))
+            sizes[group] = 0
+        shards[-1].tensors[name] = tensor
+        sizes[group] = sizes.get(group, 0) + nbytes
+    result = [shard for shards in by_group.values() for shard in shards]
+    for shard in result:  # widest elements first keeps every tensor aligned
         shard.tensors = dict(sorted(shard.tensors.items(), key=lambda kv: -kv[1].element_size()))
-    return shards
+    return result
+
+
+def _group_name(key: object) -> str:
+    """A file-name-safe group for a top-level key of the state."""
+    if not isinstance(key, str) or not key:
+        return DEFAULT_GROUP
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:64].lstrip(".") or DEFAULT_GROUP
 
 
 def decode_shard(data: bytearray, where: str) -> dict[str, torch.Tensor]:

@@ -16,13 +16,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ckptstore import layout
 from ckptstore.backends.base import Backend, join
 from ckptstore.backends.registry import open_backend
+from ckptstore.background import BackgroundSaver, SaveHandle
 from ckptstore.commit import Committer, Progress, SourceFile, iter_file
 from ckptstore.compat import check_compat, check_mode, current_environment
 from ckptstore.errors import (
@@ -37,6 +38,7 @@ from ckptstore.errors import (
 from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry, Manifest
 from ckptstore.retention import RetentionPolicy, steps_to_delete
 from ckptstore.serialize import DEFAULT_SHARD_SIZE, decode_state, encode_state
+from ckptstore.snapshot import Snapshotter
 from ckptstore.transfer import download_dir, scan_dir
 
 log = logging.getLogger(__name__)
@@ -47,11 +49,47 @@ GC_GRACE_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
+class SaveStats:
+    """What one save cost: bytes written and reused, wall time, and time the caller waited."""
+
+    step: int
+    bytes_total: int
+    bytes_reused: int
+    """Bytes copied from the previous step instead of uploaded (incremental saves)."""
+    seconds: float
+    """From the first byte written to ``latest`` moved (retention not included)."""
+    blocked_seconds: float
+    """Time the caller was blocked by the snapshot (async saves; 0 for sync saves)."""
+
+    @classmethod
+    def of(cls, manifest: Manifest, seconds: float, blocked: float) -> SaveStats:
+        reused = sum(f.size for f in manifest.files if f.copied_from is not None)
+        return cls(manifest.step, manifest.size, reused, seconds, blocked)
+
+    @property
+    def bytes_uploaded(self) -> int:
+        return self.bytes_total - self.bytes_reused
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_total / 1e6 / max(self.seconds, 1e-9)
+
+    def __str__(self) -> str:
+        return (
+            f"committed step {self.step}: {self.bytes_total / 1e6:.1f} MB "
+            f"({self.bytes_reused / 1e6:.1f} MB reused) in {self.seconds:.2f} s "
+            f"({self.mb_per_s:.1f} MB/s), trainer blocked {self.blocked_seconds:.3f} s"
+        )
+
+
+@dataclass(frozen=True)
 class CheckpointInfo:
     """A committed step: where it is and what its manifest says."""
 
     uri: str
     manifest: Manifest
+    stats: SaveStats | None = field(default=None, compare=False)
+    """Set on the info a save returns."""
 
     @property
     def step(self) -> int:
@@ -106,6 +144,7 @@ class CheckpointStore:
         storage_options: Mapping[str, Any] | None = None,
         compat: str = "warn",
         shard_size: int = DEFAULT_SHARD_SIZE,
+        incremental: bool = True,
         backend: Backend | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -120,8 +159,11 @@ class CheckpointStore:
         self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._committer = Committer(self.backend, writer=self.writer, clock=clock)
         self._environment: Environment | None = None
+        self.incremental = incremental
         self.last_loaded: CheckpointInfo | None = None
         """The step the last ``load`` returned (it may fall back past a corrupt latest)."""
+        self._background: BackgroundSaver[CheckpointInfo] = BackgroundSaver()
+        self._snapshotter = Snapshotter()
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, retention={self.retention})"
@@ -133,7 +175,11 @@ class CheckpointStore:
         self.close()
 
     def close(self) -> None:
-        self.backend.close()
+        """Flush the save in flight (raising its error), then release the backend."""
+        try:
+            self._background.close()
+        finally:
+            self.backend.close()
 
     # -- writing -------------------------------------------------------------------------
 
@@ -145,11 +191,54 @@ class CheckpointStore:
         *,
         allow_pickle: bool = False,
     ) -> CheckpointInfo:
-        """Write ``state`` as ``step``, commit it, move ``latest``, apply retention."""
+        """Write ``state`` as ``step``, commit it, move ``latest``, apply retention.
+
+        Waits for an async save in flight first (and raises its error if nobody heard of it).
+        """
         step = layout.check_step(step)
+        user_metadata = _check_metadata(metadata)
+        self._background.drain()
         encoded = encode_state(state, shard_size=self.shard_size, allow_pickle=allow_pickle)
-        files = [SourceFile(f.path, f.chunks) for f in encoded.files()]
-        return self._write_step(step, files, KIND_STATE, metadata)
+        files = [SourceFile(f.path, f.chunks, f.size) for f in encoded.files()]
+        return self._write_step(step, files, KIND_STATE, user_metadata)
+
+    def save_async(
+        self,
+        step: int,
+        state: Any,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        allow_pickle: bool = False,
+    ) -> SaveHandle[CheckpointInfo]:
+        """Snapshot ``state`` and save it in the background; returns at once after the copy.
+
+        One save is in flight at a time: this first waits for the previous one to commit, and
+        raises its error if nobody heard of it. Tensors are copied into buffers reused across
+        saves (pinned host memory for CUDA tensors), so training may change them right away.
+        """
+        step = layout.check_step(step)
+        user_metadata = _check_metadata(metadata)
+        self._background.drain()
+        started = time.perf_counter()
+        self._snapshotter.begin()
+        encoded = encode_state(
+            state,
+            shard_size=self.shard_size,
+            allow_pickle=allow_pickle,
+            snapshot=self._snapshotter,
+        )
+        self._snapshotter.finish()
+        blocked = time.perf_counter() - started
+        files = [SourceFile(f.path, f.chunks, f.size) for f in encoded.files()]
+
+        def work() -> CheckpointInfo:
+            return self._write_step(step, files, KIND_STATE, user_metadata, blocked=blocked)
+
+        return self._background.submit(step, work, blocked)
+
+    def wait(self) -> None:
+        """Wait for the async save in flight; raise its error if nobody heard of it."""
+        self._background.drain()
 
     def push_dir(
         self,
@@ -161,26 +250,33 @@ class CheckpointStore:
     ) -> CheckpointInfo:
         """Commit every file under ``local_dir`` as ``step`` (a verl ``global_step_N`` dir)."""
         step = layout.check_step(step)
-        files = [SourceFile(rel, _file_reader(path)) for rel, path in scan_dir(Path(local_dir))]
-        return self._write_step(step, files, KIND_DIRECTORY, metadata, progress)
+        user_metadata = _check_metadata(metadata)
+        self._background.drain()
+        files = [
+            SourceFile(rel, _file_reader(path), path.stat().st_size)
+            for rel, path in scan_dir(Path(local_dir))
+        ]
+        return self._write_step(step, files, KIND_DIRECTORY, user_metadata, progress=progress)
 
     def _write_step(
         self,
         step: int,
         files: builtins.list[SourceFile],
         kind: str,
-        metadata: Mapping[str, Any] | None,
+        metadata: dict[str, Any],
+        *,
         progress: Progress | None = None,
+        blocked: float = 0.0,
     ) -> CheckpointInfo:
-        user_metadata = _check_metadata(metadata)
         if self.backend.stat(layout.manifest_path(step)) is not None:
             raise ConflictError(
                 f"step {step} is already committed in {self.uri}; committed steps are "
                 "immutable. Save under a new step, or `ckptstore rm` it first"
             )
         started = time.perf_counter()
+        previous = self._previous_manifest(kind) if self.incremental else None
         try:
-            entries = self._committer.write_payload(step, files, progress)
+            entries = self._committer.write_payload(step, files, progress, previous=previous)
             self._committer.confirm_payload(step, entries)
             manifest = Manifest(
                 step=step,
@@ -189,24 +285,29 @@ class CheckpointStore:
                 files=tuple(entries),
                 environment=self._env(),
                 writer=self.writer,
-                metadata=user_metadata,
+                metadata=metadata,
             )
             self._committer.commit(manifest)
         except BaseException:
             self._discard_uncommitted(step)
             raise
         self._committer.advance_latest(step)
-        seconds = time.perf_counter() - started
-        log.info(
-            "committed step %d to %s: %.1f MB in %.2f s (%.1f MB/s)",
-            step,
-            self.uri,
-            manifest.size / 1e6,
-            seconds,
-            manifest.size / 1e6 / max(seconds, 1e-9),
-        )
+        stats = SaveStats.of(manifest, time.perf_counter() - started, blocked)
+        log.info("%s: %s", self.uri, stats)
         self._retain_after_save()
-        return self._info(manifest)
+        return self._info(manifest, stats)
+
+    def _previous_manifest(self, kind: str) -> Manifest | None:
+        """The latest step's manifest, whose unchanged files a save copies instead of uploading."""
+        try:
+            pointer, _ = self._committer.read_pointer()
+            if pointer is None:
+                return None
+            manifest = self._committer.read_manifest(pointer.step)
+        except (NotFoundError, CorruptCheckpointError, CompatibilityError) as e:
+            log.debug("no previous step to reuse files from: %s", e)
+            return None
+        return manifest if manifest.kind == kind else None
 
     def _discard_uncommitted(self, step: int) -> None:
         """Best effort after a failed save: remove what it wrote, unless the step committed."""
@@ -235,8 +336,8 @@ class CheckpointStore:
         """The committed step's info; NotFoundError if it is not committed."""
         return self._info(self._committer.read_manifest(layout.check_step(step)))
 
-    def _info(self, manifest: Manifest) -> CheckpointInfo:
-        return CheckpointInfo(join(self.uri, layout.step_dir(manifest.step)), manifest)
+    def _info(self, manifest: Manifest, stats: SaveStats | None = None) -> CheckpointInfo:
+        return CheckpointInfo(join(self.uri, layout.step_dir(manifest.step)), manifest, stats)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed step by the ``latest`` pointer, or by listing if it is broken.
@@ -282,7 +383,9 @@ class CheckpointStore:
         with ThreadPoolExecutor(16, thread_name_prefix="ckpt-scan") as pool:
             results = list(pool.map(read, steps))
         committed = [r for r in results if isinstance(r, Manifest)]
-        broken = {s: r for s, r in zip(steps, results, strict=True) if isinstance(r, CheckpointError)}
+        broken = {
+            s: r for s, r in zip(steps, results, strict=True) if isinstance(r, CheckpointError)
+        }
         return committed, broken
 
     def load(
