@@ -106,7 +106,7 @@ def test_copy_to_replicates_steps_and_latest(store: CheckpointStore, tmp_path: P
     assert store.copy_to(dest, steps=[3]) == []  # identical steps are skipped
     store.save(4, state_for(4))
     dest.save(4, state_for(99))
-    with pytest.raises(ConflictError, match="exists in .* with other contents"):
+    with pytest.raises(ConflictError, match=r"exists in .* with other contents"):
         store.copy_to(dest, steps=[4])
 
 
