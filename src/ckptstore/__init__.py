@@ -1,5 +1,6 @@
 """ckptstore: atomic, verified, resumable checkpoints on local disks, NFS, S3 and fsspec URLs."""
 
+from ckptstore.background import SaveHandle
 from ckptstore.errors import (
     AccessDeniedError,
     BackendError,
@@ -13,8 +14,9 @@ from ckptstore.errors import (
     SerializationError,
     UnsafeLoadError,
 )
+from ckptstore.info import CheckpointInfo, GcReport, SaveStats, VerifyReport
 from ckptstore.retention import KeepEvery, KeepLast, RetentionPolicy
-from ckptstore.store import CheckpointInfo, CheckpointStore, GcReport, VerifyReport
+from ckptstore.store import CheckpointStore
 
 __all__ = [
     "AccessDeniedError",
@@ -32,6 +34,8 @@ __all__ = [
     "KeepLast",
     "NotFoundError",
     "RetentionPolicy",
+    "SaveHandle",
+    "SaveStats",
     "SerializationError",
     "UnsafeLoadError",
     "VerifyReport",

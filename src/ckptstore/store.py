@@ -16,11 +16,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ckptstore import layout
+from ckptstore import housekeeping, layout
 from ckptstore.backends.base import Backend, join
 from ckptstore.backends.registry import open_backend
 from ckptstore.background import BackgroundSaver, SaveHandle
@@ -35,8 +34,9 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
+from ckptstore.info import CheckpointInfo, GcReport, SaveStats, VerifyReport
 from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry, Manifest
-from ckptstore.retention import RetentionPolicy, steps_to_delete
+from ckptstore.retention import RetentionPolicy
 from ckptstore.serialize import DEFAULT_SHARD_SIZE, decode_state, encode_state
 from ckptstore.snapshot import Snapshotter
 from ckptstore.transfer import download_dir, scan_dir
@@ -46,90 +46,6 @@ T = TypeVar("T")
 
 GC_GRACE_SECONDS = 3600.0
 """gc leaves younger uncommitted objects alone: they may belong to a save in flight."""
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """What one save cost: bytes written and reused, wall time, and time the caller waited."""
-
-    step: int
-    bytes_total: int
-    bytes_reused: int
-    """Bytes copied from the previous step instead of uploaded (incremental saves)."""
-    seconds: float
-    """From the first byte written to ``latest`` moved (retention not included)."""
-    blocked_seconds: float
-    """Time the caller was blocked by the snapshot (async saves; 0 for sync saves)."""
-
-    @classmethod
-    def of(cls, manifest: Manifest, seconds: float, blocked: float) -> SaveStats:
-        reused = sum(f.size for f in manifest.files if f.copied_from is not None)
-        return cls(manifest.step, manifest.size, reused, seconds, blocked)
-
-    @property
-    def bytes_uploaded(self) -> int:
-        return self.bytes_total - self.bytes_reused
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes_total / 1e6 / max(self.seconds, 1e-9)
-
-    def __str__(self) -> str:
-        return (
-            f"committed step {self.step}: {self.bytes_total / 1e6:.1f} MB "
-            f"({self.bytes_reused / 1e6:.1f} MB reused) in {self.seconds:.2f} s "
-            f"({self.mb_per_s:.1f} MB/s), trainer blocked {self.blocked_seconds:.3f} s"
-        )
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed step: where it is and what its manifest says."""
-
-    uri: str
-    manifest: Manifest
-    stats: SaveStats | None = field(default=None, compare=False)
-    """Set on the info a save returns."""
-
-    @property
-    def step(self) -> int:
-        return self.manifest.step
-
-    @property
-    def time(self) -> float:
-        return self.manifest.created
-
-    @property
-    def size(self) -> int:
-        return self.manifest.size
-
-    @property
-    def files(self) -> tuple[FileEntry, ...]:
-        return self.manifest.files
-
-    @property
-    def metadata(self) -> Mapping[str, Any]:
-        return self.manifest.metadata
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """What ``verify`` found for one step; ``ok`` when ``problems`` is empty."""
-
-    step: int
-    problems: tuple[str, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-@dataclass(frozen=True)
-class GcReport:
-    """What ``gc`` removed (or would remove, with ``dry_run``)."""
-
-    deleted: tuple[str, ...]
-    aborted_uploads: tuple[str, ...]
 
 
 class CheckpointStore:
@@ -470,93 +386,35 @@ class CheckpointStore:
             f"{self.uri}: no committed step passed verification:\n  " + "\n  ".join(failures)
         )
 
-    # -- verifying -----------------------------------------------------------------------
+    # -- housekeeping (see housekeeping.py) -------------------------------------------------
 
     def verify(self, step: int | None = None) -> VerifyReport:
         """Check every file of ``step`` (default: latest) against its manifest."""
-        if step is None:
-            latest = self.latest()
-            if latest is None:
-                raise NotFoundError(f"{self.uri} holds no committed step to verify")
-            step = latest.step
-        step = layout.check_step(step)
-        try:
-            info = self.info(step)
-        except CorruptCheckpointError as e:
-            return VerifyReport(step, (str(e),))
-        problems = []
-        for entry in info.files:
-            try:
-                self._committer.read_verified(step, entry)
-            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
-                problems.append(str(e))
-        return VerifyReport(step, tuple(problems))
+        return housekeeping.verify(self, step)
 
     def verify_all(self) -> builtins.list[VerifyReport]:
         """``verify`` for every committed step, including those with unreadable manifests."""
-        committed, broken = self._scan()
-        reports = [self.verify(m.step) for m in committed]
-        reports += [VerifyReport(step, (str(e),)) for step, e in broken.items()]
-        return sorted(reports, key=lambda r: r.step)
-
-    # -- managing ------------------------------------------------------------------------
+        return housekeeping.verify_all(self)
 
     def pin(self, step: int) -> None:
         """Protect a committed step from retention until ``unpin``."""
-        info = self.info(step)
-        self.backend.write(layout.pin_path(info.step), [b"pinned\n"])
+        housekeeping.pin(self, step)
 
     def unpin(self, step: int) -> bool:
         """Remove a pin; returns False if the step was not pinned."""
-        step = layout.check_step(step)
-        if self.backend.stat(layout.pin_path(step)) is None:
-            return False
-        self.backend.delete([layout.pin_path(step)])
-        return True
+        return housekeeping.unpin(self, step)
 
     def pins(self) -> builtins.list[int]:
-        names = (o.path.rsplit("/", 1)[-1] for o in self.backend.list(layout.PINS_DIR + "/"))
-        return sorted(s for s in map(layout.parse_step_dir, names) if s is not None)
+        """The pinned steps, ascending."""
+        return housekeeping.pins(self)
 
     def prune(self, dry_run: bool = False) -> builtins.list[int]:
         """Delete the committed steps the retention policy does not keep; returns them."""
-        if not self.retention.enabled:
-            raise ConfigError(
-                f"{self.uri}: no retention policy to prune by; open the store with keep_last "
-                "and/or keep_every (CLI: --keep-last N --keep-every K)"
-            )
-        pointer, _ = self._committer.read_pointer()
-        committed = [i.step for i in self.list()]
-        latest = pointer.step if pointer is not None and pointer.step in committed else None
-        doomed = steps_to_delete(self.retention, committed, latest=latest, pinned=self.pins())
-        if not dry_run:
-            for step in doomed:
-                self._committer.uncommit(step)
-                log.info("retention deleted step %d from %s", step, self.uri)
-        return doomed
+        return housekeeping.prune(self, dry_run)
 
     def delete(self, step: int, *, force: bool = False) -> None:
-        """Delete a committed step. ``latest`` or a pinned step needs ``force``.
-
-        Deleting the latest step with ``force`` moves ``latest`` back to the newest step left.
-        """
-        info = self.info(step)
-        pointer, _ = self._committer.read_pointer()
-        is_latest = pointer is not None and pointer.step == info.step
-        if not force and (is_latest or info.step in self.pins()):
-            what = "the latest step" if is_latest else "pinned"
-            raise ConflictError(
-                f"step {info.step} in {self.uri} is {what}; unpin it first or pass force=True "
-                "(CLI: --force)"
-            )
-        self._committer.uncommit(info.step)
-        self.backend.delete([layout.pin_path(info.step)])
-        if is_latest:
-            remaining = [i.step for i in self.list() if i.step < info.step]
-            if remaining:
-                self._committer.advance_latest(remaining[-1], rollback=True)
-            else:
-                self.backend.delete([layout.LATEST_NAME])
+        """Delete a committed step; ``latest`` or a pinned one needs ``force``."""
+        housekeeping.delete(self, step, force)
 
     def copy_to(
         self,
@@ -565,78 +423,12 @@ class CheckpointStore:
         *,
         progress: Progress | None = None,
     ) -> builtins.list[CheckpointInfo]:
-        """Replicate committed steps (default: all) into ``other``, verified, same manifests.
-
-        Steps ``other`` already holds with identical files are skipped. ``other``'s ``latest``
-        moves forward to the newest copied step, then ``other``'s retention applies.
-        """
-        chosen = self.list() if steps is None else [self.info(s) for s in steps]
-        copied = []
-        for info in chosen:
-            try:
-                existing = other.info(info.step)
-            except NotFoundError:
-                existing = None
-            if existing is not None:
-                if existing.files != info.files:
-                    raise ConflictError(
-                        f"step {info.step} exists in {other.uri} with other contents; remove it "
-                        "there first (ckptstore rm) or copy other steps"
-                    )
-                continue
-            files = [
-                SourceFile(e.path, _verified_reader(self._committer, info.step, e))
-                for e in info.files
-            ]
-            try:
-                entries = other._committer.write_payload(info.step, files, progress)
-                other._committer.confirm_payload(info.step, entries)
-                other._committer.commit(info.manifest)
-            except BaseException:
-                other._discard_uncommitted(info.step)
-                raise
-            copied.append(other._info(info.manifest))
-        if copied:
-            other._committer.advance_latest(max(i.step for i in copied))
-            other._retain_after_save()
-        return copied
+        """Replicate committed steps (default: all) into ``other``, verified."""
+        return housekeeping.copy_to(self, other, steps, progress)
 
     def gc(self, dry_run: bool = False, *, older_than: float = GC_GRACE_SECONDS) -> GcReport:
-        """Remove garbage: uncommitted step files, unlisted files, stray uploads, stale pins.
-
-        Only objects older than ``older_than`` seconds are touched, so a save in flight in
-        another process keeps its files. Steps with unreadable manifests are left alone.
-        """
-        cutoff = self.clock() - older_than
-        committed, broken = self._scan()
-        manifests = {m.step: m for m in committed}
-        doomed: builtins.list[str] = []
-        for step in self._committer.step_dirs():
-            if step in broken:
-                continue
-            objects = list(self.backend.list(layout.step_dir(step) + "/"))
-            if step in manifests:
-                listed = {layout.payload_path(step, f.path) for f in manifests[step].files}
-                listed.add(layout.manifest_path(step))
-                doomed += [
-                    o.path for o in objects if o.path not in listed and _old(o.mtime, cutoff)
-                ]
-            elif all(_old(o.mtime, cutoff) for o in objects):
-                doomed += [o.path for o in objects]
-        for pin in self.backend.list(layout.PINS_DIR + "/"):
-            pinned = layout.parse_step_dir(pin.path.rsplit("/", 1)[-1])
-            if pinned not in manifests and pinned not in broken and _old(pin.mtime, cutoff):
-                doomed.append(pin.path)
-        partial = [p for p in self.backend.partial_writes("") if _old(p.started, cutoff)]
-        if not dry_run:
-            self.backend.delete(doomed)
-            for upload in partial:
-                self.backend.abort(upload)
-        return GcReport(tuple(doomed), tuple(p.path for p in partial))
-
-
-def _old(mtime: float | None, cutoff: float) -> bool:
-    return mtime is None or mtime <= cutoff
+        """Remove uncommitted files, stray uploads and stale pins older than ``older_than`` s."""
+        return housekeeping.gc(self, dry_run, older_than)
 
 
 def _chain(first: Iterable[T], rest: Iterable[T]) -> Iterator[T]:
@@ -650,12 +442,6 @@ def _file_reader(path: Path) -> Callable[[], Iterator[bytes]]:
             yield from iter_file(f.read)
 
     return chunks
-
-
-def _verified_reader(
-    committer: Committer, step: int, entry: FileEntry
-) -> Callable[[], list[bytes]]:
-    return lambda: [bytes(committer.read_verified(step, entry))]
 
 
 def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -1,0 +1,97 @@
+"""What the store reports back: committed steps, save costs, verify and gc results.
+
+Plain frozen values, so they print, compare and serialize (the CLI's ``--json``) without
+touching storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.manifest import FileEntry, Manifest
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What one save cost: bytes written and reused, wall time, and time the caller waited."""
+
+    step: int
+    bytes_total: int
+    bytes_reused: int
+    """Bytes copied from the previous step instead of uploaded (incremental saves)."""
+    seconds: float
+    """From the first byte written to ``latest`` moved (retention not included)."""
+    blocked_seconds: float
+    """Time the caller was blocked by the snapshot (async saves; 0 for sync saves)."""
+
+    @classmethod
+    def of(cls, manifest: Manifest, seconds: float, blocked: float) -> SaveStats:
+        reused = sum(f.size for f in manifest.files if f.copied_from is not None)
+        return cls(manifest.step, manifest.size, reused, seconds, blocked)
+
+    @property
+    def bytes_uploaded(self) -> int:
+        return self.bytes_total - self.bytes_reused
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_total / 1e6 / max(self.seconds, 1e-9)
+
+    def __str__(self) -> str:
+        return (
+            f"committed step {self.step}: {self.bytes_total / 1e6:.1f} MB "
+            f"({self.bytes_reused / 1e6:.1f} MB reused) in {self.seconds:.2f} s "
+            f"({self.mb_per_s:.1f} MB/s), trainer blocked {self.blocked_seconds:.3f} s"
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed step: where it is and what its manifest says."""
+
+    uri: str
+    manifest: Manifest
+    stats: SaveStats | None = field(default=None, compare=False)
+    """Set on the info a save returns."""
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def time(self) -> float:
+        return self.manifest.created
+
+    @property
+    def size(self) -> int:
+        return self.manifest.size
+
+    @property
+    def files(self) -> tuple[FileEntry, ...]:
+        return self.manifest.files
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self.manifest.metadata
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify`` found for one step; ``ok`` when ``problems`` is empty."""
+
+    step: int
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What ``gc`` removed (or would remove, with ``dry_run``)."""
+
+    deleted: tuple[str, ...]
+    aborted_uploads: tuple[str, ...]
