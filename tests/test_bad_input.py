@@ -247,7 +247,7 @@ def test_permission_denied_names_the_path_and_keeps_steps(tmp_path: Path) -> Non
         root.chmod(0o555)
         code = (
             "import sys, torch\nfrom ckptstore import CheckpointStore, AccessDeniedError\n"
-            f"try:\n    CheckpointStore({str(root)!r}).save(2, {{'w': torch.ones(2)}})\n"
+            f"try:\n    CheckpointStore({str(root)!r}, lease=False).save(2, {{'w': torch.ones(2)}})\n"
             "except AccessDeniedError as e:\n    print(e); sys.exit(42)\n"
         )
         drop = "--bounding-set=-dac_override,-dac_read_search"

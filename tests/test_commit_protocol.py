@@ -149,7 +149,7 @@ def test_concurrent_writers_never_lose_the_newest_step(make_store: StoreFactory)
     errors: list[BaseException] = []
 
     def writer(steps: list[int]) -> None:
-        store = make_store()
+        store = make_store(lease=False)  # deliberately shared: no writer lease
         try:
             for step in steps:
                 store.save(step, {"step": step})

@@ -30,6 +30,7 @@ from ckptstore.errors import (
     BackendError,
     ConflictError,
     CorruptCheckpointError,
+    FencedError,
     IncompleteCheckpointError,
     NotFoundError,
     ObjectExistsError,
@@ -52,10 +53,13 @@ class Pointer:
     step: int
     writer: str
     time: float
+    epoch: int = 0
+    """The writer lease epoch of whoever moved it (lease.py); 0 without leases."""
 
     def encode(self) -> bytes:
         body = {
             "schema_version": POINTER_SCHEMA,
+            "epoch": self.epoch,
             "step": self.step,
             "manifest": layout.manifest_path(self.step),
             "writer": self.writer,
@@ -72,7 +76,10 @@ class Pointer:
             step = layout.check_step(body["step"], where="latest step")
             if body["manifest"] != layout.manifest_path(step):
                 raise ValueError("manifest path does not match the step")
-            return cls(step, str(body["writer"]), float(body["time"]))
+            epoch = body["epoch"]
+            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+                raise ValueError(f"epoch {epoch!r}")
+            return cls(step, str(body["writer"]), float(body["time"]), epoch)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise CorruptCheckpointError(f"{where}: unreadable latest pointer ({e})") from e
 
@@ -215,11 +222,12 @@ class Committer:
                 "steps are immutable. Save under a new step, or `ckptstore rm` it first"
             ) from e
 
-    def advance_latest(self, step: int, *, rollback: bool = False) -> bool:
+    def advance_latest(self, step: int, *, epoch: int = 0, rollback: bool = False) -> bool:
         """Move ``latest`` to ``step`` by compare-and-swap; returns False if it was ahead.
 
         Without ``rollback`` the pointer only moves forward: if another writer already moved
         it past ``step`` it stays there. Lost races are retried against the fresh pointer.
+        A pointer stamped with a newer lease ``epoch`` than ours means we were fenced.
         """
         for attempt in range(MAX_SWAP_ATTEMPTS):
             try:
@@ -227,9 +235,17 @@ class Committer:
             except CorruptCheckpointError as e:
                 log.warning("%s; overwriting it with step %d", e, step)
                 current, version = None, self._version_of_broken_pointer()
-            if current is not None and current.step >= step and not rollback:
+            if current is not None and rollback:
+                epoch = max(epoch, current.epoch)
+            elif current is not None and current.epoch > epoch:
+                raise FencedError(
+                    f"{self.uri(layout.LATEST_NAME)} was moved by {current.writer} holding a "
+                    f"newer writer lease (epoch {current.epoch} > {epoch}); step {step} is "
+                    "committed but this writer may no longer move latest. Stop this job"
+                )
+            elif current is not None and current.step >= step:
                 return current.step == step
-            pointer = Pointer(step, self.writer, self.clock())
+            pointer = Pointer(step, self.writer, self.clock(), epoch)
             try:
                 self.backend.swap(layout.LATEST_NAME, pointer.encode(), version)
                 return True
@@ -242,6 +258,22 @@ class Committer:
             "readers fall back to listing, and the next save moves it",
             retryable=True,
         )
+
+    def stamp_latest(self, epoch: int) -> None:
+        """Re-write ``latest`` (same step) with a new lease epoch, fencing older writers."""
+        for _ in range(MAX_SWAP_ATTEMPTS):
+            try:
+                current, version = self.read_pointer()
+            except CorruptCheckpointError:
+                return  # the next save replaces it
+            if current is None or current.epoch >= epoch:
+                return
+            stamped = Pointer(current.step, self.writer, self.clock(), epoch)
+            try:
+                self.backend.swap(layout.LATEST_NAME, stamped.encode(), version)
+                return
+            except PreconditionFailedError:
+                continue
 
     def _version_of_broken_pointer(self) -> str | None:
         try:

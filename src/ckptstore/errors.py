@@ -62,3 +62,11 @@ class ObjectExistsError(ConflictError):
 
 class PreconditionFailedError(ConflictError):
     """A compare-and-swap found the object changed since it was read."""
+
+
+class LeaseHeldError(ConflictError):
+    """Another live writer holds the store's writer lease; ``takeover=True`` takes it."""
+
+
+class FencedError(ConflictError):
+    """This writer's lease was taken over: it must not commit or move ``latest`` any more."""

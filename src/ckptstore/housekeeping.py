@@ -136,6 +136,7 @@ def copy_to(
     """
     chosen = store.list() if steps is None else [store.info(s) for s in steps]
     copied = []
+    epoch = 0
     for info in chosen:
         try:
             existing = other.info(info.step)
@@ -154,13 +155,14 @@ def copy_to(
         try:
             entries = other._committer.write_payload(info.step, files, progress)
             other._committer.confirm_payload(info.step, entries)
+            epoch = other.hold_lease()
             other._committer.commit(info.manifest)
         except BaseException:
             other._discard_uncommitted(info.step)
             raise
         copied.append(other._info(info.manifest))
     if copied:
-        other._committer.advance_latest(max(i.step for i in copied))
+        other._committer.advance_latest(max(i.step for i in copied), epoch=epoch)
         other._retain_after_save()
     return copied
 

@@ -7,6 +7,7 @@
                                                     straight into trainer.default_local_dir
     <root>/global_step_<N>/ckptstore.manifest.json  the commit marker, written last, create-only
     <root>/.ckptstore/pins/global_step_<N>          one object per pin (no shared file to race on)
+    <root>/.ckptstore/lease.json                    the writer lease (lease.py)
 
 The manifest sits inside its step directory so that deleting or copying a step moves its commit
 marker with it, and so that a listing of step directories plus one GET per step is all it takes
@@ -25,6 +26,7 @@ MANIFEST_NAME = "ckptstore.manifest.json"
 LATEST_NAME = "latest.json"
 META_DIR = ".ckptstore"
 PINS_DIR = f"{META_DIR}/pins"
+LEASE_NAME = f"{META_DIR}/lease.json"
 VERL_TRACKER_NAME = "latest_checkpointed_iteration.txt"
 
 _STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]*)$")

@@ -35,6 +35,7 @@ from ckptstore.errors import (
     NotFoundError,
 )
 from ckptstore.info import CheckpointInfo, GcReport, SaveStats, VerifyReport
+from ckptstore.lease import WriterLease
 from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry, Manifest
 from ckptstore.retention import RetentionPolicy
 from ckptstore.serialize import DEFAULT_SHARD_SIZE, decode_state, encode_state
@@ -61,6 +62,8 @@ class CheckpointStore:
         compat: str = "warn",
         shard_size: int = DEFAULT_SHARD_SIZE,
         incremental: bool = True,
+        lease: bool = True,
+        takeover: bool = False,
         backend: Backend | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -74,6 +77,17 @@ class CheckpointStore:
         self.clock = clock
         self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._committer = Committer(self.backend, writer=self.writer, clock=clock)
+        self._lease = (
+            WriterLease(
+                self.backend,
+                self.writer,
+                takeover=takeover,
+                clock=clock,
+                on_takeover=self._committer.stamp_latest,
+            )
+            if lease
+            else None
+        )
         self._environment: Environment | None = None
         self.incremental = incremental
         self.last_loaded: CheckpointInfo | None = None
@@ -190,10 +204,12 @@ class CheckpointStore:
                 "immutable. Save under a new step, or `ckptstore rm` it first"
             )
         started = time.perf_counter()
+        self.hold_lease()  # fail before uploading anything if another writer holds the store
         previous = self._previous_manifest(kind) if self.incremental else None
         try:
             entries = self._committer.write_payload(step, files, progress, previous=previous)
             self._committer.confirm_payload(step, entries)
+            epoch = self.hold_lease()  # renewing is the fence check: right before the commit
             manifest = Manifest(
                 step=step,
                 created=self.clock(),
@@ -207,11 +223,15 @@ class CheckpointStore:
         except BaseException:
             self._discard_uncommitted(step)
             raise
-        self._committer.advance_latest(step)
+        self._committer.advance_latest(step, epoch=epoch)
         stats = SaveStats.of(manifest, time.perf_counter() - started, blocked)
         log.info("%s: %s", self.uri, stats)
         self._retain_after_save()
         return self._info(manifest, stats)
+
+    def hold_lease(self) -> int:
+        """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""
+        return self._lease.hold() if self._lease is not None else 0
 
     def _previous_manifest(self, kind: str) -> Manifest | None:
         """The latest step's manifest, whose unchanged files a save copies instead of uploading."""

@@ -1,0 +1,152 @@
+"""botocore errors -> ckptstore errors, by exception type, S3 error code and HTTP status.
+
+The one place the S3 backend translates errors. Never by message text: S3-compatible servers
+word their messages differently, but agree on codes and statuses. botocore has already retried
+what its ``standard`` mode retries, so ``retryable`` tells the caller whether trying again
+later (a new save, a resume) may help. A 403 is always AccessDeniedError, never "missing": an
+expired token must not read as "no checkpoint here, start from step 0".
+"""
+
+from __future__ import annotations
+
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    CredentialRetrievalError,
+    HTTPClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from ckptstore.errors import (
+    AccessDeniedError,
+    BackendError,
+    CheckpointError,
+    ConfigError,
+    NotFoundError,
+    PreconditionFailedError,
+)
+
+NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
+DENIED = frozenset(
+    [
+        "AccessDenied",
+        "403",
+        "Forbidden",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+    ]
+)
+CONFLICT = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
+RETRYABLE = frozenset(
+    [
+        "SlowDown",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "BadDigest",
+        "XAmzContentChecksumMismatch",
+        "OperationAborted",
+    ]
+)
+UNSUPPORTED = frozenset({"NotImplemented", "MethodNotAllowed"})
+_NO_CREDENTIALS = (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)
+
+
+def code_of(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def status_of(e: ClientError) -> int:
+    return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
+def is_not_found(e: ClientError) -> bool:
+    """A missing object (or upload); a missing bucket is not, it is a configuration problem."""
+    return code_of(e) in NOT_FOUND or (status_of(e) == 404 and code_of(e) != "NoSuchBucket")
+
+
+def is_refused(e: ClientError) -> bool:
+    """A conditional request the server refused: 412, or 409 for a concurrent conflict."""
+    return code_of(e) in CONFLICT or status_of(e) in (409, 412)
+
+
+def is_unsupported(e: ClientError) -> bool:
+    return code_of(e) in UNSUPPORTED or status_of(e) in (405, 501)
+
+
+def translate(
+    e: BaseException, *, bucket: str, endpoint: str, target: str, action: str
+) -> CheckpointError:
+    """Our error for a botocore one; ``target`` is the ``s3://`` URI the operation was about."""
+    if isinstance(e, ClientError):
+        message = str(e.response.get("Error", {}).get("Message", "") or "")
+        return error_for(
+            code_of(e),
+            status_of(e),
+            bucket=bucket,
+            endpoint=endpoint,
+            target=target,
+            action=action,
+            message=message,
+        )
+    if isinstance(e, _NO_CREDENTIALS):
+        return AccessDeniedError(
+            f"no usable AWS credentials to {action} {target} ({type(e).__name__}): boto3 "
+            "looks in storage_options key/secret, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE and ~/.aws/credentials, SSO, then the instance or container role"
+        )
+    if isinstance(e, (BotoConnectionError, HTTPClientError)):
+        return BackendError(
+            f"cannot reach the S3 endpoint {endpoint} to {action} {target} "
+            f"({type(e).__name__}, after retries); check endpoint_url / AWS_ENDPOINT_URL, "
+            "the network, and that the server is up",
+            retryable=True,
+        )
+    kind = "BotoCoreError" if isinstance(e, BotoCoreError) else type(e).__name__
+    return BackendError(f"cannot {action} {target}: {kind}: {e}")
+
+
+def error_for(
+    code: str,
+    status: int,
+    *,
+    bucket: str,
+    endpoint: str,
+    target: str,
+    action: str,
+    message: str = "",
+) -> CheckpointError:
+    """Our error for an S3 error code and HTTP status (``0`` when there is none)."""
+    detail = f" ({code}: {message})" if message else f" ({code})" if code else ""
+    if code == "NoSuchBucket":
+        return NotFoundError(
+            f"bucket {bucket!r} does not exist at {endpoint} (while trying to {action} "
+            f"{target}); create it (`aws s3 mb s3://{bucket}`, with --endpoint-url for "
+            "S3-compatible servers, or in terraform) or fix the URI"
+        )
+    if code in NOT_FOUND or status == 404:
+        return NotFoundError(f"{target} does not exist (while trying to {action} it)")
+    if code in DENIED or status == 403:
+        return AccessDeniedError(
+            f"access denied to {action} {target}{detail}: check the credentials boto3 uses "
+            "(AWS_PROFILE, AWS_ACCESS_KEY_ID, an expired session token) and that the IAM or "
+            "bucket policy allows this on the bucket and prefix"
+        )
+    if code in CONFLICT or status in (409, 412):
+        return PreconditionFailedError(f"a condition on {target} failed ({action}){detail}")
+    if code in RETRYABLE or status >= 500:
+        return BackendError(
+            f"{endpoint} failed to {action} {target}{detail}, after retries; try again later",
+            retryable=True,
+        )
+    if code == "InvalidBucketName":
+        return ConfigError(f"{target}: the server rejects the bucket name{detail}")
+    return BackendError(f"cannot {action} {target}{detail} (HTTP {status})")

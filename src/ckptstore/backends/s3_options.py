@@ -1,0 +1,198 @@
+"""Storage options and URIs of the S3 backend: parsed and validated once, at construction.
+
+Everything the user did not set is left out, so boto3 still resolves it the usual way
+(``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ``AWS_REGION``, the credential chain). Credentials are
+kept out of ``repr`` and out of every message: a message names an option, never its value.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from botocore.config import Config
+
+from ckptstore.errors import ConfigError
+
+MiB = 1 << 20
+GiB = 1 << 30
+MIN_PART_SIZE = 5 * MiB
+MAX_PART_SIZE = 5 * GiB
+MAX_SINGLE_PUT = 5 * GiB
+"""The largest object one PutObject or CopyObject may create."""
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+ALIASES = {
+    "region_name": "region",
+    "aws_access_key_id": "key",
+    "aws_secret_access_key": "secret",
+    "aws_session_token": "token",
+}
+OPTIONS = frozenset(
+    [
+        "endpoint_url",
+        "region",
+        "profile",
+        "key",
+        "secret",
+        "token",
+        "addressing_style",
+        "client_kwargs",
+        "config_kwargs",
+        "part_size",
+        "max_concurrency",
+        "multipart_threshold",
+        "max_attempts",
+        "checksums",
+    ]
+) | frozenset(ALIASES)
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/prefix`` -> ``(bucket, prefix)``; anything malformed is a ConfigError."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError as e:
+        raise ConfigError(f"store URI {uri!r} is malformed: expected s3://bucket/prefix") from e
+    if parts.scheme.lower() not in ("s3", "s3a"):
+        raise ConfigError(f"store URI {uri!r} is not an s3:// URI")
+    if "@" in parts.netloc:  # do not echo the URI: it holds a secret
+        raise ConfigError(
+            "s3:// store URIs must not contain credentials; pass them through AWS_PROFILE, "
+            "the AWS_* environment variables or storage_options key/secret"
+        )
+    if parts.query or parts.fragment:
+        raise ConfigError(f"store URI {uri!r} must not contain '?' or '#'")
+    bucket, prefix = parts.netloc, parts.path.strip("/")
+    if not bucket:
+        raise ConfigError(f"store URI {uri!r} names no bucket: expected s3://bucket/prefix")
+    if not _BUCKET_RE.match(bucket) or ".." in bucket or _is_ip(bucket):
+        raise ConfigError(
+            f"{bucket!r} in {uri!r} is not a valid S3 bucket name: 3-63 lowercase letters, "
+            "digits, '.' and '-', starting and ending with a letter or digit"
+        )
+    if "//" in prefix:
+        raise ConfigError(f"store URI {uri!r} has an empty path segment ('//')")
+    return bucket, prefix
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """Validated storage options; the client settings stay out of ``repr`` (they hold secrets)."""
+
+    part_size: int = 16 * MiB
+    max_concurrency: int = 8
+    multipart_threshold: int = 16 * MiB
+    max_attempts: int = 5
+    checksums: bool = True
+    session_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
+    client_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
+    config: Config | None = field(default=None, repr=False)
+
+    @classmethod
+    def parse(cls, uri: str, options: Mapping[str, Any]) -> S3Options:
+        unknown = sorted(set(options) - OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"{uri}: unknown storage option(s) {unknown}; valid ones are {sorted(OPTIONS)}"
+            )
+        opts: dict[str, Any] = {}
+        for name, value in options.items():
+            canonical = ALIASES.get(name, name)
+            if canonical in opts:
+                raise ConfigError(f"{uri}: storage option {canonical!r} is given twice ({name!r})")
+            opts[canonical] = value
+        part_size = _int(uri, opts, "part_size", 16 * MiB, MIN_PART_SIZE, MAX_PART_SIZE)
+        threshold = _int(uri, opts, "multipart_threshold", part_size, 1, MAX_SINGLE_PUT)
+        concurrency = _int(uri, opts, "max_concurrency", 8, 1, 256)
+        attempts = _int(uri, opts, "max_attempts", 5, 1, 50)
+        checksums = opts.get("checksums", True)
+        if not isinstance(checksums, bool):
+            raise ConfigError(f"{uri}: storage option 'checksums' must be True or False")
+        session = {
+            target: _str(uri, opts, name)
+            for name, target in (
+                ("profile", "profile_name"),
+                ("key", "aws_access_key_id"),
+                ("secret", "aws_secret_access_key"),
+                ("token", "aws_session_token"),
+                ("region", "region_name"),
+            )
+            if opts.get(name) is not None
+        }
+        client = dict(_dict(uri, opts, "client_kwargs"))
+        if opts.get("endpoint_url") is not None:
+            if client.get("endpoint_url", opts["endpoint_url"]) != opts["endpoint_url"]:
+                raise ConfigError(f"{uri}: endpoint_url is given twice with different values")
+            client["endpoint_url"] = _str(uri, opts, "endpoint_url")
+        return cls(
+            part_size=part_size,
+            max_concurrency=concurrency,
+            multipart_threshold=threshold,
+            max_attempts=attempts,
+            checksums=checksums,
+            session_kwargs=session,
+            client_kwargs=client,
+            config=_config(uri, opts, concurrency, attempts),
+        )
+
+
+def _int(uri: str, opts: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+    value = opts.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(
+            f"{uri}: storage option {name!r} must be an integer from {low} to {high}, got {value!r}"
+        )
+    return value
+
+
+def _str(uri: str, opts: dict[str, Any], name: str) -> str:
+    value = opts[name]
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{uri}: storage option {name!r} must be a non-empty string")
+    return value
+
+
+def _dict(uri: str, opts: dict[str, Any], name: str) -> dict[str, Any]:
+    value = opts.get(name) or {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{uri}: storage option {name!r} must be a dict")
+    return dict(value)
+
+
+def _config(uri: str, opts: dict[str, Any], concurrency: int, attempts: int) -> Config:
+    """Our defaults (retries, timeouts, pool size), then the user's ``config_kwargs`` on top."""
+    s3: dict[str, Any] = {}
+    style = opts.get("addressing_style")
+    if style is not None:
+        if style not in ("path", "virtual", "auto"):
+            raise ConfigError(
+                f"{uri}: addressing_style must be 'path', 'virtual' or 'auto', got {style!r}"
+            )
+        s3["addressing_style"] = style
+    user = _dict(uri, opts, "config_kwargs")
+    s3.update(user.pop("s3", None) or {})
+    try:
+        base = Config(
+            # total attempts, first one included, as AWS_MAX_ATTEMPTS counts them
+            retries={"mode": "standard", "total_max_attempts": attempts},
+            connect_timeout=10,
+            read_timeout=120,
+            max_pool_connections=max(10, 2 * concurrency + 2),
+            **({"s3": s3} if s3 else {}),
+        )
+        return base.merge(Config(**user))
+    except TypeError as e:
+        raise ConfigError(f"{uri}: invalid config_kwargs for botocore Config: {e}") from e
