@@ -48,6 +48,9 @@ class FaultyBackend:
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         return self.inner.read(path, start, end)
 
+    def read_into(self, path: str, out: memoryview) -> int:
+        return self.inner.read_into(path, out)
+
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         return self.inner.read_versioned(path)
 

@@ -54,6 +54,25 @@ def test_write_then_read_whole_and_ranges(backend: Backend) -> None:
     assert info.mtime is None or info.mtime > 0
 
 
+def test_read_into_fills_a_preallocated_buffer_and_reports_the_true_size(
+    backend: Backend,
+) -> None:
+    data = os.urandom(12 * MiB + 123)  # several ranges on S3 (5 MiB parts in these tests)
+    backend.write("big.bin", [data])
+    out = bytearray(len(data))
+    assert backend.read_into("big.bin", memoryview(out)) == len(data)
+    assert out == data
+    shorter = bytearray(100)  # a manifest that expects less than the object holds
+    assert backend.read_into("big.bin", memoryview(shorter)) == len(data)
+    assert shorter == data[:100]
+    longer = bytearray(len(data) + 10)  # ... or more
+    assert backend.read_into("big.bin", memoryview(longer)) == len(data)
+    backend.write("empty", [b""])
+    assert backend.read_into("empty", memoryview(bytearray())) == 0
+    with pytest.raises(NotFoundError):
+        backend.read_into("missing", memoryview(bytearray(3)))
+
+
 def test_write_replaces_and_empty_objects_exist(backend: Backend) -> None:
     backend.write("x", [b"old"])
     backend.write("x", [b"new content"])

@@ -144,15 +144,24 @@ class Committer:
         return sorted(s for s in found if s is not None)
 
     def read_verified(self, step: int, entry: FileEntry) -> bytearray:
-        """A payload file's bytes after checking its size and CRC32C against the manifest."""
+        """A payload file's bytes after checking its size and CRC32C against the manifest.
+
+        The buffer is allocated once at the manifest's size and filled in place.
+        """
         path = layout.payload_path(step, entry.path)
+        data = bytearray(entry.size)
         try:
-            data = bytearray(self.backend.read(path))
+            size = self.backend.read_into(path, memoryview(data))
         except NotFoundError as e:
             raise IncompleteCheckpointError(
                 f"{self.uri(path)} is missing, but the manifest of step {step} lists it; "
                 "the step is incomplete. Load an earlier step"
             ) from e
+        if size != entry.size:
+            raise CorruptCheckpointError(
+                f"{self.uri(path)}: {size} bytes, but the manifest of step {step} says "
+                f"{entry.size}; the file is truncated or was overwritten. Load an earlier step"
+            )
         check_file(data, entry, where=self.uri(path), step=step)
         return data
 

@@ -79,6 +79,14 @@ class Backend(Protocol):
         """Bytes ``[start, end)`` of an object; raises NotFoundError if it is missing."""
         ...
 
+    def read_into(self, path: str, out: memoryview) -> int:
+        """Fill ``out`` with the object's first ``len(out)`` bytes; returns the object's size.
+
+        Loads allocate ``out`` once at the size the manifest promises and read straight into
+        it (in parallel ranges where the backend can), so a file is never copied twice.
+        """
+        ...
+
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         """The whole object and a version token for ``swap``."""
         ...

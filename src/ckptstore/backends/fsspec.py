@@ -91,6 +91,13 @@ class FsspecBackend:
             data: bytes = self.fs.cat_file(self._full(path), start=start or None, end=end)
             return data
 
+    def read_into(self, path: str, out: memoryview) -> int:
+        with self._translated(path, "read"):
+            size = int(self.fs.info(self._full(path))["size"])
+            data = self.fs.cat_file(self._full(path), start=0, end=min(len(out), size))
+            out[: len(data)] = data
+            return size
+
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         data = self.read(path)
         return data, _token(data)

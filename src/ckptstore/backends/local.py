@@ -67,6 +67,14 @@ class LocalBackend:
             f.seek(start)
             return f.read() if end is None else f.read(max(0, end - start))
 
+    def read_into(self, path: str, out: memoryview) -> int:
+        target = self._path(path)
+        with _translated(target, "read"), open(target, "rb", buffering=0) as f:
+            filled = 0
+            while filled < len(out) and (n := f.readinto(out[filled:])):
+                filled += n
+            return os.fstat(f.fileno()).st_size
+
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         target = self._path(path)
         with _translated(target, "read"), open(target, "rb") as f:

@@ -138,6 +138,31 @@ class S3Backend:
             data: bytes = resp["Body"].read()
             return data
 
+    def read_into(self, path: str, out: memoryview) -> int:
+        """Ranged GETs of ``part_size`` bytes, ``max_concurrency`` at a time, straight into
+        ``out``: a large file downloads over many connections, like the upload."""
+        key, step = self._key(path), self._opts.part_size
+        ranges = [(a, min(a + step, len(out))) for a in range(0, len(out), step)] or [(0, 0)]
+
+        def fetch(first: int, end: int) -> int:
+            extra = {"Range": f"bytes={first}-{end - 1}"} if end > first else {}
+            with self._translated(key, "read"):
+                try:
+                    resp = self._client.get_object(Bucket=self._bucket, Key=key, **extra)
+                except ClientError as e:
+                    if s3_errors.code_of(e) == "InvalidRange":  # object shorter than expected
+                        return int(e.response.get("Error", {}).get("ActualObjectSize", 0) or 0)
+                    raise
+                data = resp["Body"].read()
+            out[first : first + len(data)] = data
+            total = str(resp.get("ContentRange", "")).rpartition("/")[2]
+            return int(total) if total.isdigit() else int(resp.get("ContentLength", len(data)))
+
+        if len(ranges) == 1:
+            return fetch(*ranges[0])
+        sizes = list(self._executor().map(lambda r: fetch(*r), ranges))
+        return max(sizes)
+
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         key = self._key(path)
         with self._translated(key, "read"):
