@@ -205,7 +205,7 @@ CASES = [
         "rm of the latest step",
         lambda s, t: s.delete(2),
         CheckpointError,
-        "is the latest step; unpin it first or pass force=True",
+        "is the latest step; pass force=True to delete it anyway",
     ),
 ]
 
@@ -247,7 +247,8 @@ def test_permission_denied_names_the_path_and_keeps_steps(tmp_path: Path) -> Non
         root.chmod(0o555)
         code = (
             "import sys, torch\nfrom ckptstore import CheckpointStore, AccessDeniedError\n"
-            f"try:\n    CheckpointStore({str(root)!r}, lease=False).save(2, {{'w': torch.ones(2)}})\n"
+            f"store = CheckpointStore({str(root)!r}, lease=False)\n"
+            "try:\n    store.save(2, {'w': torch.ones(2)})\n"
             "except AccessDeniedError as e:\n    print(e); sys.exit(42)\n"
         )
         drop = "--bounding-set=-dac_override,-dac_read_search"

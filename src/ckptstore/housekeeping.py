@@ -108,10 +108,10 @@ def delete(store: CheckpointStore, step: int, force: bool) -> None:
     pointer, _ = store._committer.read_pointer()
     is_latest = pointer is not None and pointer.step == info.step
     if not force and (is_latest or info.step in pins(store)):
-        what = "the latest step" if is_latest else "pinned"
+        what, fix = ("the latest step", "") if is_latest else ("pinned", "unpin it first or ")
         raise ConflictError(
-            f"step {info.step} in {store.uri} is {what}; unpin it first or pass force=True "
-            "(CLI: --force)"
+            f"step {info.step} in {store.uri} is {what}; {fix}pass force=True to delete it "
+            "anyway (CLI: --force)"
         )
     store._committer.uncommit(info.step)
     store.backend.delete([layout.pin_path(info.step)])
@@ -158,7 +158,7 @@ def copy_to(
             epoch = other.hold_lease()
             other._committer.commit(info.manifest)
         except BaseException:
-            other._discard_uncommitted(info.step)
+            other.discard(info.step)
             raise
         copied.append(other._info(info.manifest))
     if copied:

@@ -28,6 +28,8 @@ META_DIR = ".ckptstore"
 PINS_DIR = f"{META_DIR}/pins"
 LEASE_NAME = f"{META_DIR}/lease.json"
 VERL_TRACKER_NAME = "latest_checkpointed_iteration.txt"
+DEFAULT_SHARD_SIZE = 1 << 30
+"""Tensor files are split near this size, so large states up- and download in parallel."""
 
 _STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]*)$")
 _RESERVED_NAMES = frozenset({MANIFEST_NAME})

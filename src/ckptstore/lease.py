@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from ckptstore import layout
 from ckptstore.backends.base import Backend, join
 from ckptstore.errors import (
+    CheckpointError,
     CorruptCheckpointError,
     FencedError,
     LeaseHeldError,
@@ -152,6 +153,23 @@ class WriterLease:
                         self.on_takeover(epoch)
             return epoch
         raise FencedError(f"{self._uri}: could not renew the writer lease (too much contention)")
+
+    def release(self) -> None:
+        """Give the lease up (a clean exit), so the next writer needs no ``takeover``.
+
+        The record stays, expired, so the epoch keeps counting up; a failure here only
+        means the next writer waits for the TTL or takes over, so it is logged, not raised.
+        """
+        if self.epoch is None:
+            return
+        try:
+            record, version = self._read()
+            if record is not None and record.holder == self.writer and record.epoch == self.epoch:
+                expired = LeaseRecord(record.epoch, self.writer, record.acquired, 0.0, record.ttl)
+                self.backend.swap(layout.LEASE_NAME, expired.encode(), version)
+        except CheckpointError as e:
+            log.warning("%s: could not release the writer lease: %s", self._uri, e)
+        self.epoch = None
 
     def _held_message(self, record: LeaseRecord, now: float) -> str:
         idle = now - record.renewed

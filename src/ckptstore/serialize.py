@@ -31,12 +31,12 @@ import torch
 
 from ckptstore.backends.base import Chunk
 from ckptstore.errors import CorruptCheckpointError, SerializationError, UnsafeLoadError
+from ckptstore.layout import DEFAULT_SHARD_SIZE
 
 SKELETON_FILE = "state.json"
 PICKLE_FILE = "objects.pt"
 SHARD_PATTERN = "{}-{:05d}.safetensors"
 DEFAULT_GROUP = "tensors"
-DEFAULT_SHARD_SIZE = 1 << 30
 FORMAT = "ckptstore-state-1"
 
 _DTYPES: dict[torch.dtype, str] = {

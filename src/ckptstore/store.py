@@ -16,8 +16,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptstore import housekeeping, layout
 from ckptstore.backends.base import Backend, join
@@ -38,9 +39,10 @@ from ckptstore.info import CheckpointInfo, GcReport, SaveStats, VerifyReport
 from ckptstore.lease import WriterLease
 from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry, Manifest
 from ckptstore.retention import RetentionPolicy
-from ckptstore.serialize import DEFAULT_SHARD_SIZE, decode_state, encode_state
-from ckptstore.snapshot import Snapshotter
 from ckptstore.transfer import download_dir, scan_dir
+
+if TYPE_CHECKING:  # torch loads lazily: the CLI's listing commands start in a blink
+    from ckptstore.snapshot import Snapshotter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,7 +62,7 @@ class CheckpointStore:
         keep_every: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         compat: str = "warn",
-        shard_size: int = DEFAULT_SHARD_SIZE,
+        shard_size: int = layout.DEFAULT_SHARD_SIZE,
         incremental: bool = True,
         lease: bool = True,
         takeover: bool = False,
@@ -93,7 +95,7 @@ class CheckpointStore:
         self.last_loaded: CheckpointInfo | None = None
         """The step the last ``load`` returned (it may fall back past a corrupt latest)."""
         self._background: BackgroundSaver[CheckpointInfo] = BackgroundSaver()
-        self._snapshotter = Snapshotter()
+        self._snapshotter: Snapshotter | None = None
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, retention={self.retention})"
@@ -105,11 +107,16 @@ class CheckpointStore:
         self.close()
 
     def close(self) -> None:
-        """Flush the save in flight (raising its error), then release the backend."""
+        """Flush the save in flight (raising its error), release the writer lease (so the
+        next job writes without ``takeover``), then the backend."""
         try:
             self._background.close()
         finally:
-            self.backend.close()
+            try:
+                if self._lease is not None:
+                    self._lease.release()
+            finally:
+                self.backend.close()
 
     # -- writing -------------------------------------------------------------------------
 
@@ -128,6 +135,8 @@ class CheckpointStore:
         step = layout.check_step(step)
         user_metadata = _check_metadata(metadata)
         self._background.drain()
+        from ckptstore.serialize import encode_state
+
         encoded = encode_state(state, shard_size=self.shard_size, allow_pickle=allow_pickle)
         files = [SourceFile(f.path, f.chunks, f.size) for f in encoded.files()]
         return self._write_step(step, files, KIND_STATE, user_metadata)
@@ -150,14 +159,15 @@ class CheckpointStore:
         user_metadata = _check_metadata(metadata)
         self._background.drain()
         started = time.perf_counter()
-        self._snapshotter.begin()
+        from ckptstore.serialize import encode_state
+        from ckptstore.snapshot import Snapshotter
+
+        snapshotter = self._snapshotter = self._snapshotter or Snapshotter()
+        snapshotter.begin()
         encoded = encode_state(
-            state,
-            shard_size=self.shard_size,
-            allow_pickle=allow_pickle,
-            snapshot=self._snapshotter,
+            state, shard_size=self.shard_size, allow_pickle=allow_pickle, snapshot=snapshotter
         )
-        self._snapshotter.finish()
+        snapshotter.finish()
         blocked = time.perf_counter() - started
         files = [SourceFile(f.path, f.chunks, f.size) for f in encoded.files()]
 
@@ -198,36 +208,90 @@ class CheckpointStore:
         progress: Progress | None = None,
         blocked: float = 0.0,
     ) -> CheckpointInfo:
+        started = time.perf_counter()
+        self.hold_lease()  # fail before uploading anything if another writer holds the store
+        try:
+            entries = self.stage_files(step, files, kind=kind, progress=progress)
+        except BaseException:
+            self.discard(step)
+            raise
+        return self.commit_files(
+            step, entries, kind=kind, metadata=metadata, _timing=(started, blocked)
+        )
+
+    # -- staging: write from many processes, commit from one -------------------------------
+
+    def stage_files(
+        self,
+        step: int,
+        files: Iterable[SourceFile],
+        *,
+        kind: str = KIND_DIRECTORY,
+        progress: Progress | None = None,
+    ) -> builtins.list[FileEntry]:
+        """Upload payload files of ``step`` without committing it; returns their entries.
+
+        The building block of multi-process saves: every rank or node stages its own files
+        (paths must not collide), then one process passes all entries to ``commit_files``.
+        Files unchanged since the latest step (same path, size and CRC32C) are copied
+        server-side instead of uploaded when the store is ``incremental``.
+        """
+        step = layout.check_step(step)
         if self.backend.stat(layout.manifest_path(step)) is not None:
             raise ConflictError(
                 f"step {step} is already committed in {self.uri}; committed steps are "
                 "immutable. Save under a new step, or `ckptstore rm` it first"
             )
-        started = time.perf_counter()
-        self.hold_lease()  # fail before uploading anything if another writer holds the store
         previous = self._previous_manifest(kind) if self.incremental else None
+        return self._committer.write_payload(step, files, progress, previous=previous)
+
+    def commit_files(
+        self,
+        step: int,
+        entries: Iterable[FileEntry],
+        *,
+        kind: str = KIND_DIRECTORY,
+        metadata: Mapping[str, Any] | None = None,
+        world_size: int | None = None,
+        _timing: tuple[float, float] | None = None,
+    ) -> CheckpointInfo:
+        """Commit staged files as ``step``: confirm them, write the manifest, move ``latest``,
+        apply retention. On failure before the manifest is written nothing is committed."""
+        started, blocked = _timing or (time.perf_counter(), 0.0)
+        step = layout.check_step(step)
+        entries = tuple(entries)
+        environment = self._env()
+        if world_size is not None:
+            environment = replace(environment, world_size=world_size)
         try:
-            entries = self._committer.write_payload(step, files, progress, previous=previous)
             self._committer.confirm_payload(step, entries)
             epoch = self.hold_lease()  # renewing is the fence check: right before the commit
             manifest = Manifest(
                 step=step,
                 created=self.clock(),
                 kind=kind,
-                files=tuple(entries),
-                environment=self._env(),
+                files=entries,
+                environment=environment,
                 writer=self.writer,
-                metadata=metadata,
+                metadata=_check_metadata(metadata),
             )
             self._committer.commit(manifest)
         except BaseException:
-            self._discard_uncommitted(step)
+            self.discard(step)
             raise
         self._committer.advance_latest(step, epoch=epoch)
         stats = SaveStats.of(manifest, time.perf_counter() - started, blocked)
         log.info("%s: %s", self.uri, stats)
         self._retain_after_save()
         return self._info(manifest, stats)
+
+    def discard(self, step: int) -> None:
+        """Remove the staged files of an uncommitted ``step`` (never a committed one)."""
+        try:
+            if self.backend.stat(layout.manifest_path(step)) is None:
+                self._committer.delete_prefix(layout.step_dir(step) + "/")
+        except CheckpointError as e:
+            log.warning("could not clean up uncommitted step %d (gc will): %s", step, e)
 
     def hold_lease(self) -> int:
         """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""
@@ -244,14 +308,6 @@ class CheckpointStore:
             log.debug("no previous step to reuse files from: %s", e)
             return None
         return manifest if manifest.kind == kind else None
-
-    def _discard_uncommitted(self, step: int) -> None:
-        """Best effort after a failed save: remove what it wrote, unless the step committed."""
-        try:
-            if self.backend.stat(layout.manifest_path(step)) is None:
-                self._committer.delete_prefix(layout.step_dir(step) + "/")
-        except CheckpointError as e:
-            log.warning("could not clean up uncommitted step %d (gc will): %s", step, e)
 
     def _retain_after_save(self) -> None:
         if not self.retention.enabled:
@@ -342,6 +398,8 @@ class CheckpointStore:
                 "it with pull_dir() (CLI: ckptstore pull)"
             )
         check_compat(info.manifest.environment, self._env(), mode=self.compat, where=info.uri)
+        from ckptstore.serialize import decode_state
+
         data = self._read_all(info)
         state = decode_state(data.__getitem__, where=info.uri, allow_pickle=allow_pickle)
         self.last_loaded = info

@@ -1,0 +1,230 @@
+"""The ``ckptstore`` command: list, inspect, verify, prune and move checkpoints in any store.
+
+Each command is a thin face over :class:`~ckptstore.store.CheckpointStore`; all the rules
+(atomic commits, retention safety, verification) live there, so the CLI and the Python API
+cannot disagree. Data goes to stdout (``--json``: one JSON document, nothing else); progress
+bars, logs and errors go to stderr. Storage options (credentials) are never printed.
+
+Exit codes, so scripts and schedulers can branch on the outcome::
+
+    0    ok
+    1    unexpected error (a bug: rerun with -v and report the traceback)
+    2    usage or configuration error (bad option or URI, missing extra, refused pickle)
+    3    not found (no such step, or the store holds no committed step)
+    4    verification failed: a corrupt or incomplete checkpoint (also the demo's mismatch)
+    5    conflict: the step exists, is latest or pinned, or another writer won a race
+    6    storage error: the backend failed or denied access
+    7    compatibility: written by versions this reader refuses (--compat strict)
+    130  interrupted (Ctrl-C)
+
+Errors print one line, ``ckptstore: error: <message>``, to stderr; ``-v`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from ckptstore import cli_commands, cli_transfer
+from ckptstore.backends.registry import scheme_of
+from ckptstore.cli_common import (
+    COUNT,
+    EXIT_BACKEND,
+    EXIT_COMPAT,
+    EXIT_CONFLICT,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_UNEXPECTED,
+    EXIT_USAGE,
+    EXIT_VERIFY,
+    common_options,
+    settings_of,
+)
+from ckptstore.errors import (
+    BackendError,
+    CheckpointError,
+    CompatibilityError,
+    ConfigError,
+    ConflictError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotFoundError,
+    SerializationError,
+    UnsafeLoadError,
+)
+
+EXIT_CODES: tuple[tuple[type[CheckpointError], int], ...] = (
+    # first match wins, so subclasses come before their bases
+    (ConfigError, EXIT_USAGE),
+    (SerializationError, EXIT_USAGE),
+    (UnsafeLoadError, EXIT_USAGE),
+    (NotFoundError, EXIT_NOT_FOUND),
+    (CorruptCheckpointError, EXIT_VERIFY),
+    (IncompleteCheckpointError, EXIT_VERIFY),
+    (ConflictError, EXIT_CONFLICT),
+    (BackendError, EXIT_BACKEND),  # AccessDeniedError included
+    (CompatibilityError, EXIT_COMPAT),
+    (CheckpointError, EXIT_UNEXPECTED),
+)
+
+_EPILOG = """\b
+Exit codes:
+  0    ok
+  1    unexpected error (rerun with -v for the traceback)
+  2    usage or configuration error
+  3    not found (no such step, or an empty store)
+  4    verification failed: corrupt or incomplete checkpoint
+  5    conflict (step exists, is latest or pinned, lost a race)
+  6    storage error (backend failure, access denied)
+  7    compatibility (versions refused under --compat strict)
+  130  interrupted
+"""
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The documented exit status for an exception (see the module docstring)."""
+    for kind, code in EXIT_CODES:
+        if isinstance(error, kind):
+            return code
+    return EXIT_UNEXPECTED
+
+
+# -- the group: error handling in one place -------------------------------------------------
+
+
+class _Group(click.Group):
+    """Turns our exceptions into one line on stderr and the documented exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            click.echo("ckptstore: interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+        except BrokenPipeError:
+            # The reader went away (``| head``): not an error. Point stdout at devnull so the
+            # interpreter's final flush does not raise again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(EXIT_OK)
+        except Exception as e:  # the one place that reports every error
+            verbose = settings_of(ctx).verbose
+            if verbose:
+                traceback.print_exc(file=sys.stderr)
+            if isinstance(e, CheckpointError):
+                message = str(e)
+            else:
+                hint = "" if verbose else " (rerun with -v for the traceback)"
+                message = f"unexpected {type(e).__name__}: {e}{hint}"
+            click.echo(f"ckptstore: error: {message}", err=True)
+            ctx.exit(exit_code_for(e))
+
+
+@click.group(cls=_Group, epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@common_options
+@click.version_option(package_name="ckptstore", prog_name="ckptstore")
+def cli() -> None:
+    """Atomic, verified checkpoints on local disks, NFS, S3 and fsspec URLs.
+
+    URI is a store: a local path, s3://bucket/prefix, or any fsspec URL.
+    """
+
+
+for _command in [*cli_commands.COMMANDS, *cli_transfer.COMMANDS]:
+    cli.add_command(_command)
+
+
+# -- demo ------------------------------------------------------------------------------------
+
+
+@cli.command("demo")
+@click.option("--uri", help="Store to use instead of a bucket on an embedded S3 server.")
+@click.option("--steps", type=click.IntRange(min=2), default=60, show_default=True)
+@click.option("--save-every", type=COUNT, default=10, show_default=True)
+@click.option("--keep-last", type=COUNT, default=3, show_default=True)
+@click.option(
+    "--kill-at",
+    type=COUNT,
+    help="Step at which the first run is killed (default: between two saves, half-way).",
+)
+@common_options
+@click.pass_context
+def demo_command(
+    ctx: click.Context,
+    uri: str | None,
+    steps: int,
+    save_every: int,
+    keep_last: int,
+    kill_at: int | None,
+) -> None:
+    """Train, get killed, resume on a fresh process from S3, and prove it bit-identical."""
+    from ckptstore.demo import run_demo
+
+    settings = settings_of(ctx)
+    if settings.as_json:
+        raise click.UsageError("demo prints a narrative; --json does not apply to it")
+    options = None
+    if uri is not None:
+        options = {} if scheme_of(uri) == "file" else dict(settings.storage_options)
+    code = run_demo(
+        uri=uri,
+        storage_options=options,
+        steps=steps,
+        save_every=save_every,
+        keep_last=keep_last,
+        kill_at=kill_at,
+        verbose=settings.verbose,
+    )
+    ctx.exit(code)
+
+
+# -- entry point -----------------------------------------------------------------------------
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"ckptstore: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def _configure_logging() -> None:
+    """Warnings and errors to stderr by default; -v raises the ckptstore loggers' level."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Formatter())
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    _configure_logging()
+    try:
+        result = cli.main(args=argv, prog_name="ckptstore", standalone_mode=False)
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Abort:
+        click.echo("ckptstore: interrupted", err=True)
+        return EXIT_INTERRUPTED
+    return result if isinstance(result, int) else EXIT_OK
+
+
+def main() -> None:
+    """The console script ``ckptstore``."""
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["EXIT_CODES", "cli", "exit_code_for", "main", "run"]
