@@ -37,6 +37,7 @@ from ckptstore.errors import (
     PreconditionFailedError,
 )
 from ckptstore.manifest import FileEntry, Manifest
+from ckptstore.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,10 @@ class Committer:
         writer: str,
         parallel_files: int = 4,
         clock: Callable[[], float] = time.time,
+        signer: Signer | None = None,
     ) -> None:
         self.backend = backend
+        self.signer = signer
         self.writer = writer
         self.parallel_files = parallel_files
         self.clock = clock
@@ -124,6 +127,8 @@ class Committer:
                 f"step {step} is not committed in {self.backend.uri} (no {path})"
             ) from e
         manifest = Manifest.decode(data, where=self.uri(path))
+        if self.signer is not None:
+            self.signer.check(manifest, self.uri(path))
         if manifest.step != step:
             raise CorruptCheckpointError(
                 f"{self.uri(path)}: manifest says step {manifest.step}, expected {step}"
@@ -220,9 +225,14 @@ class Committer:
                     "committed (a concurrent gc or rm?); nothing was committed, save again"
                 )
 
-    def commit(self, manifest: Manifest) -> None:
-        """Write the commit marker, create-only: the step exists from this moment."""
+    def commit(self, manifest: Manifest) -> Manifest:
+        """Write the commit marker, create-only: the step exists from this moment.
+
+        Returns the manifest as written (signed, when there is a signer).
+        """
         path = layout.manifest_path(manifest.step)
+        if self.signer is not None:
+            manifest = self.signer.sign(manifest)
         try:
             self.backend.create(path, manifest.encode())
         except ObjectExistsError as e:
@@ -230,6 +240,7 @@ class Committer:
                 f"step {manifest.step} is already committed in {self.backend.uri}; committed "
                 "steps are immutable. Save under a new step, or `ckptstore rm` it first"
             ) from e
+        return manifest
 
     def advance_latest(self, step: int, *, epoch: int = 0, rollback: bool = False) -> bool:
         """Move ``latest`` to ``step`` by compare-and-swap; returns False if it was ahead.

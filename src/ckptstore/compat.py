@@ -10,12 +10,12 @@ Versions are compared on major.minor: patch releases do not change formats.
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import socket
 import subprocess
 from importlib import metadata
 
+from ckptstore.config import git_commit_from_env
 from ckptstore.errors import CompatibilityError, ConfigError
 from ckptstore.manifest import Environment
 
@@ -52,9 +52,9 @@ def current_environment(world_size: int = 1) -> Environment:
 
 def _git_commit() -> str | None:
     """The training code's commit: from the environment CI systems set, else from git."""
-    for var in ("CKPTSTORE_GIT_COMMIT", "GIT_COMMIT", "GITHUB_SHA"):
-        if os.environ.get(var):
-            return os.environ[var]
+    from_env = git_commit_from_env()
+    if from_env:
+        return from_env
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False

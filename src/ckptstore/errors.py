@@ -28,6 +28,10 @@ class CorruptCheckpointError(CheckpointError):
     """Bytes in the store do not match what the manifest promises."""
 
 
+class UntrustedCheckpointError(CorruptCheckpointError):
+    """The manifest is unsigned or signed with another key, and the store requires its key."""
+
+
 class ConflictError(CheckpointError):
     """Another writer got there first: the step is committed, or a compare-and-swap lost."""
 

@@ -156,11 +156,11 @@ def copy_to(
             entries = other._committer.write_payload(info.step, files, progress)
             other._committer.confirm_payload(info.step, entries)
             epoch = other.hold_lease()
-            other._committer.commit(info.manifest)
+            manifest = other._committer.commit(info.manifest)
         except BaseException:
             other.discard(info.step)
             raise
-        copied.append(other._info(info.manifest))
+        copied.append(other._info(manifest))
     if copied:
         other._committer.advance_latest(max(i.step for i in copied), epoch=epoch)
         other._retain_after_save()

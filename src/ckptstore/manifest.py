@@ -83,8 +83,12 @@ class Manifest:
     """Who committed: ``host:pid:random``, to tell rival writers apart."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    signature: str | None = None
+    """``hmac-sha256:<key id>:<hex>`` over :meth:`signed_bytes`, when the writer had a key."""
 
     def __post_init__(self) -> None:
+        if self.signature is not None and not isinstance(self.signature, str):
+            raise CorruptCheckpointError("signature is not a string")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise CorruptCheckpointError(f"step {self.step!r} is not a non-negative integer")
         if self.kind not in (KIND_STATE, KIND_DIRECTORY):
@@ -106,10 +110,19 @@ class Manifest:
         raise KeyError(path)
 
     def encode(self) -> bytes:
+        return json.dumps(self._body(), indent=1, sort_keys=True, allow_nan=False).encode()
+
+    def signed_bytes(self) -> bytes:
+        """The canonical bytes a signature covers: every field but the signature."""
+        body = self._body()
+        del body["signature"]
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+    def _body(self) -> dict[str, Any]:
         body = asdict(self)
         body["files"] = [asdict(f) for f in self.files]
         body["metadata"] = dict(self.metadata)
-        return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode()
+        return body
 
     @classmethod
     def decode(cls, data: bytes, *, where: str) -> Manifest:

@@ -26,6 +26,7 @@ from ckptstore.backends.registry import open_backend
 from ckptstore.background import BackgroundSaver, SaveHandle
 from ckptstore.commit import Committer, Progress, SourceFile, iter_file
 from ckptstore.compat import check_compat, check_mode, current_environment
+from ckptstore.config import key_bytes, signing_key_from_env
 from ckptstore.errors import (
     CheckpointError,
     CompatibilityError,
@@ -39,6 +40,7 @@ from ckptstore.info import CheckpointInfo, GcReport, SaveStats, VerifyReport
 from ckptstore.lease import WriterLease
 from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry, Manifest
 from ckptstore.retention import RetentionPolicy
+from ckptstore.signing import Signer
 from ckptstore.transfer import download_dir, scan_dir
 
 if TYPE_CHECKING:  # torch loads lazily: the CLI's listing commands start in a blink
@@ -66,6 +68,7 @@ class CheckpointStore:
         incremental: bool = True,
         lease: bool = True,
         takeover: bool = False,
+        signing_key: bytes | str | None = None,
         backend: Backend | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -78,7 +81,11 @@ class CheckpointStore:
         self.uri = self.backend.uri
         self.clock = clock
         self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._committer = Committer(self.backend, writer=self.writer, clock=clock)
+        key = key_bytes(signing_key) if signing_key is not None else signing_key_from_env()
+        self.signer = Signer(key) if key is not None else None
+        self._committer = Committer(
+            self.backend, writer=self.writer, clock=clock, signer=self.signer
+        )
         self._lease = (
             WriterLease(
                 self.backend,
@@ -275,7 +282,7 @@ class CheckpointStore:
                 writer=self.writer,
                 metadata=_check_metadata(metadata),
             )
-            self._committer.commit(manifest)
+            manifest = self._committer.commit(manifest)
         except BaseException:
             self.discard(step)
             raise

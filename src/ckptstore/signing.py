@@ -1,0 +1,66 @@
+"""Signed manifests: a writable bucket must not be enough to make a trainer resume from it.
+
+verl's own loaders unpickle ``.pt`` files, and any loader trusts the manifest's checksums. So
+whoever can write to the bucket could plant a step that a resume then executes. With a signing
+key (HMAC-SHA256, from the constructor or from ``CKPTSTORE_SIGNING_KEY`` /
+``CKPTSTORE_SIGNING_KEY_FILE``), every manifest a store writes carries a signature over all of
+its fields, payload checksums included, and a store that has a key refuses any step whose
+manifest is unsigned or signed with another key. The refusal is a
+:class:`~ckptstore.errors.UntrustedCheckpointError`, a kind of corruption, so ``load()`` falls
+back to the newest step that is signed correctly and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import replace
+
+from ckptstore.errors import ConfigError, UntrustedCheckpointError
+from ckptstore.manifest import Manifest
+
+_SCHEME = "hmac-sha256"
+
+
+class Signer:
+    """Signs and checks manifests with one key; the key never leaves this object."""
+
+    def __init__(self, key: bytes) -> None:
+        if not isinstance(key, bytes) or len(key) < 16:
+            raise ConfigError(
+                "a manifest signing key must be at least 16 bytes (use e.g. "
+                "`openssl rand -hex 32` and put it in CKPTSTORE_SIGNING_KEY)"
+            )
+        self._key = key
+        self.key_id = hashlib.sha256(b"ckptstore-key-id:" + key).hexdigest()[:12]
+        """Names the key in signatures and messages without revealing it."""
+
+    def __repr__(self) -> str:
+        return f"Signer(key_id={self.key_id!r})"
+
+    def sign(self, manifest: Manifest) -> Manifest:
+        return replace(manifest, signature=f"{_SCHEME}:{self.key_id}:{self._mac(manifest)}")
+
+    def check(self, manifest: Manifest, where: str) -> None:
+        """Raise UntrustedCheckpointError unless ``manifest`` is signed with this key."""
+        if manifest.signature is None:
+            raise UntrustedCheckpointError(
+                f"{where}: the manifest is not signed, and this store requires signatures "
+                f"(key id {self.key_id}); refusing it. Re-save the step with the key, or open "
+                "the store without a signing key if you trust every writer"
+            )
+        scheme, _, rest = manifest.signature.partition(":")
+        key_id, _, mac = rest.partition(":")
+        if scheme != _SCHEME or key_id != self.key_id:
+            raise UntrustedCheckpointError(
+                f"{where}: the manifest is signed with another key (key id {key_id or '?'}, "
+                f"expected {self.key_id}); refusing it"
+            )
+        if not hmac.compare_digest(mac, self._mac(manifest)):
+            raise UntrustedCheckpointError(
+                f"{where}: the manifest's signature does not match its contents (key id "
+                f"{key_id}); it was altered after signing. Refusing it"
+            )
+
+    def _mac(self, manifest: Manifest) -> str:
+        return hmac.new(self._key, manifest.signed_bytes(), hashlib.sha256).hexdigest()
