@@ -106,9 +106,22 @@ def test_credentials_never_leak(
     assert cli is not None
     for args in (["ls", uri], ["show", uri, "1"], ["verify", uri, "--all"]):
         out = subprocess.run(
-            [cli, "--json", "-vv", "--endpoint-url", s3_endpoint, "-o", "key=AKIAPLANTED",
-             "-o", f"secret={SECRET}", *args],
-            capture_output=True, text=True, check=False, timeout=120,
+            [
+                cli,
+                "--json",
+                "-vv",
+                "--endpoint-url",
+                s3_endpoint,
+                "-o",
+                "key=AKIAPLANTED",
+                "-o",
+                f"secret={SECRET}",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
         )
         assert out.returncode == 0, out.stderr
         json.loads(out.stdout)

@@ -126,8 +126,8 @@ def error_for(
 ) -> CheckpointError:
     """Our error for an S3 error code and HTTP status (``0`` when there is none)."""
     detail = f" ({code}: {message})" if message else f" ({code})" if code else ""
-    if code == "NoSuchBucket":
-        return NotFoundError(
+    if code == "NoSuchBucket":  # not NotFoundError: a typo in a bucket name is no empty store
+        return BackendError(
             f"bucket {bucket!r} does not exist at {endpoint} (while trying to {action} "
             f"{target}); create it (`aws s3 mb s3://{bucket}`, with --endpoint-url for "
             "S3-compatible servers, or in terraform) or fix the URI"
