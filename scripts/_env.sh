@@ -15,9 +15,9 @@ want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing ckptstore[$extras] into $venv (first run takes a few minutes)" >&2
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  # The CPU build of torch: a plain `torch` requirement would pull a multi-GB CUDA build.
-  "$venv/bin/python" -m pip install -q "torch==${CKPTSTORE_TORCH:-2.13.0}" >&2
-  "$venv/bin/python" -m pip install -q -e "$root[$extras]" >&2
+  # Pin the CPU build of torch in the same resolve: alone, `torch>=2.1` may be "upgraded" to a
+  # multi-GB CUDA build even with 2.13.0 already installed.
+  "$venv/bin/python" -m pip install -q "torch==${CKPTSTORE_TORCH:-2.13.0}" -e "$root[$extras]" >&2
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
