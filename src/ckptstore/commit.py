@@ -233,14 +233,24 @@ class Committer:
         path = layout.manifest_path(manifest.step)
         if self.signer is not None:
             manifest = self.signer.sign(manifest)
+        data = manifest.encode()
         try:
-            self.backend.create(path, manifest.encode())
+            self.backend.create(path, data)
         except ObjectExistsError as e:
+            if manifest.writer == self.writer and self._holds(path, data):
+                return manifest  # a retry found our own first attempt, whose answer was lost
             raise ConflictError(
                 f"step {manifest.step} is already committed in {self.backend.uri}; committed "
                 "steps are immutable. Save under a new step, or `ckptstore rm` it first"
             ) from e
         return manifest
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        """Whether ``path`` holds exactly ``data`` (a manifest of ours: writer id and time)."""
+        try:
+            return self.backend.read(path) == data
+        except NotFoundError:
+            return False
 
     def advance_latest(self, step: int, *, epoch: int = 0, rollback: bool = False) -> bool:
         """Move ``latest`` to ``step`` by compare-and-swap; returns False if it was ahead.

@@ -7,6 +7,8 @@ and chained with ``raise ... from e`` so the original stays visible in traceback
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class CheckpointError(Exception):
     """Root of every error ckptstore raises on purpose."""
@@ -54,6 +56,14 @@ class BackendError(CheckpointError):
     def __init__(self, message: str, *, retryable: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+
+
+class DistributedCheckpointError(CheckpointError):
+    """A multi-rank save or load failed; ``failures`` maps each failing rank to its error."""
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures or {})
 
 
 class AccessDeniedError(BackendError):

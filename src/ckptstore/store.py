@@ -339,7 +339,9 @@ class CheckpointStore:
         return CheckpointInfo(join(self.uri, layout.step_dir(manifest.step)), manifest, stats)
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed step by the ``latest`` pointer, or by listing if it is broken.
+        """The newest committed step: the ``latest`` pointer's, unless one listing of step
+        directories finds a newer committed step (the pointer is stale) or the pointer is
+        broken (then by listing every step).
 
         ``None`` only when the store holds no committed step.
         """
@@ -347,7 +349,7 @@ class CheckpointStore:
         try:
             pointer, _ = self._committer.read_pointer()
             if pointer is not None:
-                return self.info(pointer.step)
+                return self._committed_after(pointer.step) or self.info(pointer.step)
         except (NotFoundError, CorruptCheckpointError) as e:
             log.warning("%s: latest pointer is unusable (%s); falling back to listing", self.uri, e)
         infos = self.list()
@@ -359,6 +361,32 @@ class CheckpointStore:
                 infos[-1].step,
             )
         return infos[-1] if infos else None
+
+    def _committed_after(self, step: int) -> CheckpointInfo | None:
+        """The newest committed step past a stale pointer's, if any (one listing).
+
+        A writer killed between its commit and moving ``latest`` leaves one; resuming from the
+        pointer would then save that step again and fail. Manifests are the truth.
+        """
+        for newer in reversed([s for s in self._committer.step_dirs() if s > step]):
+            try:
+                info = self.info(newer)
+            except NotFoundError:
+                continue  # a save in flight, or garbage for gc
+            except (CorruptCheckpointError, CompatibilityError) as e:
+                log.warning("step %d has an unreadable manifest: %s", newer, e)
+                continue
+            log.warning(
+                "%s: %s is at step %d, but step %d is committed (its writer stopped before "
+                "moving the pointer); using %d",
+                self.uri,
+                layout.LATEST_NAME,
+                step,
+                newer,
+                newer,
+            )
+            return info
+        return None
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every readable committed step, ascending. Broken manifests are logged, not listed."""
@@ -405,12 +433,27 @@ class CheckpointStore:
                 "it with pull_dir() (CLI: ckptstore pull)"
             )
         check_compat(info.manifest.environment, self._env(), mode=self.compat, where=info.uri)
-        from ckptstore.serialize import decode_state
+        from ckptstore.serialize import SKELETON_FILE, decode_state
 
+        paths = {f.path for f in info.files}
+        if SKELETON_FILE not in paths and any(p.endswith("/" + SKELETON_FILE) for p in paths):
+            raise ConfigError(
+                f"{info.uri} holds one state per rank (saved by save_distributed); load it on "
+                "every rank with ckptstore.distributed.load_distributed"
+            )
         data = self._read_all(info)
         state = decode_state(data.__getitem__, where=info.uri, allow_pickle=allow_pickle)
         self.last_loaded = info
         return state
+
+    def read_file(self, info: CheckpointInfo, path: str) -> bytearray:
+        """One payload file of a committed step, size and CRC32C verified against its manifest,
+        so each rank of a multi-rank load reads only its own files (distributed.py, DCP)."""
+        try:
+            entry = info.manifest.file(path)
+        except KeyError as e:
+            raise NotFoundError(f"{info.uri} has no file {path!r} in its manifest") from e
+        return self._committer.read_verified(info.step, entry)
 
     def _read_all(self, info: CheckpointInfo) -> dict[str, bytearray]:
         def read(entry: FileEntry) -> bytearray:

@@ -1,0 +1,489 @@
+"""torch.distributed.checkpoint (DCP) storage over a CheckpointStore.
+
+DCP plans who saves what and reshards on load; this module only moves its bytes. Every rank's
+``write_data`` uploads its ``.distcp`` file as a staged file of the step
+(``store.stage_files``), and the coordinator's ``finish`` stages DCP's ``.metadata`` and then
+commits the step with ``commit_files``. So ckptstore's manifest, which lists every rank's files
+with their CRC32C, is the commit marker; DCP's ``.metadata`` is payload like the rest.
+``write_data`` never raises (DCP would then skip ``finish`` and leave the other ranks' files
+behind): a failure travels to ``finish`` as a marker in the rank's write results, and
+``finish`` discards the step and raises, so nothing is committed and no staged file is left.
+Only the coordinator takes the writer lease, in ``prepare_global_plan``, before any upload.
+
+Files are named as ``FileSystemWriter`` names them (``__<rank>_0.distcp``, ``.metadata``), so a
+step fetched with ``store.pull_dir`` (CLI: ``ckptstore pull``) also loads with plain
+``dcp.load(..., checkpoint_id=<dir>)``.
+
+DCP's format uses pickle: ``.metadata`` is pickled, and tensors and non-tensor values are
+written with ``torch.save``; DCP's planner unpickles the latter in full. The reader never runs
+pickle from the store unless told to: it unpickles ``.metadata`` admitting only DCP's metadata
+classes and torch dtypes, loads tensors with ``torch.load(weights_only=True)`` (as DCP does),
+and hands a non-tensor value to the planner only after ``torch.load(weights_only=True)``
+accepted it; ``allow_pickle=True`` lifts these checks for writers you trust.
+
+Each rank writes one file, serialized in memory first (one copy of its shard), then uploaded
+like any staged file (in parallel parts on S3). Every file a rank reads is read whole and
+verified against the manifest before any of its bytes is used, so when resharding a rank
+reads whole files even where it needs slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint import filesystem as _filesystem
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptstore import layout
+from ckptstore.backends.base import join
+from ckptstore.commit import SourceFile
+from ckptstore.distributed import Collectives, describe
+from ckptstore.errors import (
+    CheckpointError,
+    ConfigError,
+    ConflictError,
+    CorruptCheckpointError,
+    DistributedCheckpointError,
+    IncompleteCheckpointError,
+    NotFoundError,
+    UnsafeLoadError,
+)
+from ckptstore.info import CheckpointInfo
+from ckptstore.manifest import KIND_DIRECTORY, FileEntry
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ckptstore.store import CheckpointStore
+
+log = logging.getLogger(__name__)
+
+METADATA_FILE = ".metadata"
+DATA_SUFFIX = ".distcp"
+DCP_VERSION: str = getattr(_filesystem, "CURRENT_DCP_VERSION", "1.0.0")
+"""The ``Metadata.version`` FileSystemWriter writes."""
+_MARKER = MetadataIndex("__ckptstore_staged__")
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """What one rank's ``write_data`` did, carried to ``finish`` inside its write results."""
+
+    rank: int
+    entries: tuple[FileEntry, ...]
+    error: str | None = None
+
+
+def _step_of(checkpoint_id: str | os.PathLike[str]) -> int:
+    """A DCP ``checkpoint_id`` for this storage: a step number or a ``global_step_N`` path."""
+    name = os.fspath(checkpoint_id).rstrip("/").rsplit("/", 1)[-1]
+    step = layout.parse_step_dir(name)
+    return step if step is not None else layout.check_step(name, where="checkpoint_id")
+
+
+class CkptStoreWriter(StorageWriter):
+    """Save a DCP checkpoint as ``step`` of ``store``: ``dcp.save(sd, storage_writer=...)``.
+
+    Pass the same ``step`` on every rank; ``metadata`` (JSON values) goes into the manifest.
+    Stores on non-coordinator ranks may be opened with ``lease=False``.
+    """
+
+    def __init__(
+        self, store: CheckpointStore, step: int, *, metadata: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        self.store = store
+        self.step = layout.check_step(step)
+        self.metadata = dict(metadata or {})
+        self.save_id = str(uuid.uuid4())
+        self.rank = 0
+        self.is_coordinator = True
+
+    @property
+    def checkpoint_id(self) -> str:
+        return join(self.store.uri, layout.step_dir(self.step))
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.step = _step_of(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never picked by DCP from a bare id: pass the writer explicitly
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise ConfigError(
+                "CkptStoreWriter commits each step once, from the coordinator: call dcp.save "
+                "with use_collectives=True"
+            )
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        self.rank = int(rank) if rank is not None else Collectives().rank
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator, before any rank writes: take the writer lease, check the step is new."""
+        self.store.wait()
+        self.store.hold_lease()
+        if self.store.backend.stat(layout.manifest_path(self.step)) is not None:
+            raise ConflictError(
+                f"step {self.step} is already committed in {self.store.uri}; committed steps "
+                "are immutable. Save under a new step, or `ckptstore rm` it first"
+            )
+        return [
+            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_"))
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Stage this rank's items as one file; a failure travels to ``finish`` as a marker."""
+        try:
+            results: list[WriteResult] = []
+            entries: list[FileEntry] = []
+            if plan.items:
+                name = f"{plan.storage_data.prefix}0{DATA_SUFFIX}"
+                results, data = _serialize(plan, planner, name)
+                view = data.getbuffer()
+                source = SourceFile(name, lambda: iter((view,)), view.nbytes)
+                entries = self.store.stage_files(self.step, [source], kind=KIND_DIRECTORY)
+            staged = _Staged(self.rank, tuple(entries))
+        except Exception as e:
+            log.exception("rank %d could not stage step %d", self.rank, self.step)
+            results, staged = [], _Staged(self.rank, (), describe(e))
+        results.append(WriteResult(index=_MARKER, size_in_bytes=0, storage_data=staged))
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: commit the step if every rank staged its file, else discard it."""
+        staged = [r.storage_data for rs in results for r in rs if r.index == _MARKER]
+        failures = {s.rank: s.error for s in staged if s.error is not None}
+        if failures:
+            self.store.discard(self.step)
+            listed = "; ".join(f"rank {r}: {text}" for r, text in sorted(failures.items()))
+            raise DistributedCheckpointError(
+                f"step {self.step} was not saved (nothing committed, staged files discarded): "
+                f"{listed}",
+                failures,
+            )
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {
+            r.index: r.storage_data for rs in results for r in rs if r.index != _MARKER
+        }
+        metadata.storage_meta = self.storage_meta()
+        blob = pickle.dumps(metadata)
+        entries = [entry for s in staged for entry in s.entries]
+        try:
+            source = SourceFile(METADATA_FILE, lambda: iter((blob,)), len(blob))
+            entries += self.store.stage_files(self.step, [source], kind=KIND_DIRECTORY)
+        except BaseException:
+            self.store.discard(self.step)
+            raise
+        self.store.commit_files(
+            self.step,
+            entries,
+            kind=KIND_DIRECTORY,
+            metadata=self.metadata,
+            world_size=len(results),
+        )
+
+
+def _serialize(
+    plan: SavePlan, planner: SavePlanner, name: str
+) -> tuple[list[WriteResult], io.BytesIO]:
+    """The rank's items in one buffer, laid out as FileSystemWriter lays out a file."""
+    out = io.BytesIO()
+    results = []
+    items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)  # bytes first
+    for item in items:
+        offset = out.tell()
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            if not isinstance(data, io.BytesIO):
+                raise TypeError(f"{item.index.fqn}: DCP resolved bytes to {type(data).__name__}")
+            out.write(data.getbuffer())
+        else:
+            if not isinstance(data, torch.Tensor):
+                raise TypeError(f"{item.index.fqn}: DCP resolved a tensor to {type(data)}")
+            tensor = data.detach().cpu()
+            if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
+                tensor = tensor.clone()  # save only the view, not the storage around it
+            torch.save(tensor, out)
+        length = out.tell() - offset
+        results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
+    return results, out
+
+
+class CkptStoreReader(StorageReader):
+    """Load a DCP checkpoint from ``store``: ``dcp.load(sd, storage_reader=...)``.
+
+    ``step=None`` loads the latest step: rank 0 of ``group`` (pass the group given to
+    ``dcp.load``) picks it, skipping with a warning a latest step whose manifest or
+    ``.metadata`` fails verification, and tells the other ranks. A corrupt data file is found
+    while reading; DCP then raises on every rank, and an explicit older ``step`` loads.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        step: int | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        super().__init__()
+        self.store = store
+        self.step = None if step is None else layout.check_step(step)
+        self.group = group
+        self.allow_pickle = allow_pickle
+        self.info: CheckpointInfo | None = None
+        """The step being loaded, known after ``read_metadata``."""
+        self.load_id = str(uuid.uuid4())
+        self._storage: dict[MetadataIndex, _StorageInfo] = {}
+
+    @property
+    def checkpoint_id(self) -> str:
+        step = self.info.step if self.info else self.step
+        return self.store.uri if step is None else join(self.store.uri, layout.step_dir(step))
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.step = _step_of(checkpoint_id)
+        self.info = None
+        self._storage = {}
+        self.load_id = str(uuid.uuid4())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise NotFoundError(
+                f"{self.store.uri}: ckptstore DCP steps have one global {METADATA_FILE}; "
+                "rank-local metadata (use_collectives=False) is not supported"
+            )
+        self.info, data = self._resolve()
+        metadata = _load_metadata(data, self.info.uri, self.allow_pickle)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _resolve(self) -> tuple[CheckpointInfo, bytearray]:
+        """The step to load and its verified ``.metadata``, the same on every rank."""
+        if self.step is not None:
+            info = self.store.info(self.step)
+            return info, _read_metadata_file(self.store, info)
+        comm = Collectives(self.group)
+        chosen: tuple[CheckpointInfo, bytearray] | CheckpointError | None = None
+        if comm.rank == 0:
+            try:
+                chosen = _pick_latest(self.store)
+            except CheckpointError as e:
+                chosen = e
+        chosen = comm.broadcast(chosen)  # with the verified bytes: one read, not one per rank
+        if isinstance(chosen, CheckpointError):
+            raise chosen
+        if chosen is None:
+            raise CheckpointError("rank 0 chose no step")  # unreachable: rank 0 sends one
+        return chosen
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if metadata.storage_data is None:
+            raise CorruptCheckpointError(f"{self.checkpoint_id}: {METADATA_FILE} has no storage")
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read each needed file once, whole and verified; hand DCP its slices."""
+        if self.info is None:
+            raise CheckpointError("read_data before read_metadata")
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self._storage[item.storage_index].relative_path, []).append(item)
+        for path, items in per_file.items():
+            data = memoryview(self.store.read_file(self.info, path))
+            for item in items:
+                self._read_item(item, data, planner, f"{self.info.uri}/{path}")
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_item(
+        self, item: ReadItem, data: memoryview, planner: LoadPlanner, where: str
+    ) -> None:
+        info = self._storage[item.storage_index]
+        if info.transform_descriptors:
+            raise ConfigError(f"{where}: DCP stream transforms are not supported")
+        if info.offset < 0 or info.offset + info.length > len(data):
+            raise CorruptCheckpointError(f"{where}: {item.storage_index.fqn} lies outside")
+        piece = io.BytesIO(data[info.offset : info.offset + info.length])
+        fqn = item.storage_index.fqn
+        if item.type == LoadItemType.BYTE_IO:
+            if not self.allow_pickle:
+                _check_weights_only(piece, f"{where}: {fqn}")
+                piece.seek(0)
+            planner.load_bytes(item, piece)
+            return
+        tensor = _load_tensor(piece, f"{where}: {fqn}", self.allow_pickle)
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+            tensor = tensor.narrow(dim, start, length)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CorruptCheckpointError(
+                f"{where}: {fqn} has shape {tuple(tensor.size())}, DCP expects "
+                f"{tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+def _pick_latest(store: CheckpointStore) -> tuple[CheckpointInfo, bytearray]:
+    """Latest, or the newest older step whose manifest and ``.metadata`` verify."""
+    latest = store.latest()
+    if latest is None:
+        raise NotFoundError(
+            f"{store.uri} holds no committed step: nothing to resume from. Check the URI "
+            "(and endpoint), or save a step first"
+        )
+    candidates = [latest]
+    failures: list[str] = []
+    while candidates:
+        info = candidates.pop(0)
+        try:
+            return info, _read_metadata_file(store, info)
+        except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+            log.warning("step %d failed verification (%s); trying an older step", info.step, e)
+            failures.append(f"step {info.step}: {e}")
+        if info is latest:
+            candidates = [i for i in reversed(store.list()) if i.step < latest.step]
+    raise CorruptCheckpointError(
+        f"{store.uri}: no committed step passed verification:\n  " + "\n  ".join(failures)
+    )
+
+
+def _read_metadata_file(store: CheckpointStore, info: CheckpointInfo) -> bytearray:
+    if METADATA_FILE not in {f.path for f in info.files}:
+        raise ConfigError(
+            f"{info.uri} has no DCP {METADATA_FILE}: it was not saved with CkptStoreWriter "
+            "(load it with store.load() or ckptstore.distributed.load_distributed)"
+        )
+    return store.read_file(info, METADATA_FILE)
+
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_SAFE_GLOBALS = {
+    (_DCP_METADATA, name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``Metadata`` and nothing else: no class outside the list is built."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
+
+
+def _load_metadata(data: bytearray, where: str, allow_pickle: bool) -> Metadata:
+    try:
+        if allow_pickle:
+            metadata = pickle.loads(data)
+        else:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise UnsafeLoadError(
+            f"{where}/{METADATA_FILE}: not plain DCP metadata ({e}); load with "
+            "CkptStoreReader(..., allow_pickle=True) only if you trust every writer"
+        ) from e
+    except (EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"{where}/{METADATA_FILE}: unreadable ({e!r})") from e
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{where}/{METADATA_FILE} holds a {type(metadata)}")
+    return metadata
+
+
+def _check_weights_only(piece: io.BytesIO, where: str) -> None:
+    try:
+        torch.load(piece, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeLoadError(
+            f"{where}: loading this value would run pickle from the store ({_reason(e)}). "
+            "Pass CkptStoreReader(..., allow_pickle=True) only if you trust every writer"
+        ) from e
+
+
+def _load_tensor(piece: io.BytesIO, where: str, allow_pickle: bool) -> torch.Tensor:
+    try:
+        tensor = torch.load(piece, map_location="cpu", weights_only=not allow_pickle)
+    except pickle.UnpicklingError as e:
+        raise UnsafeLoadError(f"{where}: not a plain tensor ({_reason(e)})") from e
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptCheckpointError(f"{where}: holds a {type(tensor).__name__}, not a tensor")
+    return tensor
+
+
+def _reason(error: Exception) -> str:
+    """The line of torch's long weights_only message that says what was refused."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    found = [line for line in lines if line.startswith("WeightsUnpickler error")]
+    return (found or lines or ["unpickling refused"])[0]
