@@ -182,14 +182,27 @@ class LocalBackend:
             _remove_empty_dirs(parent, stop=self.root)
 
     def partial_writes(self, prefix: str) -> builtins.list[PartialWrite]:
-        return [
+        """Stray temp files, and empty directories: a process killed after a write's mkdir,
+        or between a delete's unlinks and its rmdir, leaves one, which no listing shows."""
+        found = [
             PartialWrite(path, upload_id=path, started=st.st_mtime)
             for path, st in self._walk(prefix)
             if path.rsplit("/", 1)[-1].startswith(TMP_PREFIX)
         ]
+        for dirpath, dirs, files in os.walk(
+            self._path(prefix.rsplit("/", 1)[0] if "/" in prefix else "")
+        ):
+            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            if not dirs and not files and rel != "." and rel.startswith(prefix):
+                found.append(PartialWrite(rel, upload_id=rel, started=_mtime(dirpath)))
+        return found
 
     def abort(self, partial: PartialWrite) -> None:
-        self.delete([partial.path])
+        target = self._path(partial.path)
+        if target.is_dir():
+            _remove_empty_dirs(target, stop=self.root)  # only while it is still empty
+        else:
+            self.delete([partial.path])
 
     def close(self) -> None:
         pass
@@ -222,6 +235,7 @@ class LocalBackend:
                     os.fsync(f.fileno())
             except BaseException:
                 _unlink_quietly(tmp)
+                _remove_empty_dirs(target.parent, stop=self.root)  # a failed write leaves nothing
                 raise
         return tmp, size
 
@@ -253,6 +267,13 @@ def _fsync_dir(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -23,8 +23,10 @@ read-back ran before the winner's PUT may believe it won); swap becomes HEAD, co
 lock, so only writers in other processes can race. A server that does not verify checksums
 loses no guarantee (loads verify CRC32C), so that is only logged. Readers never probe.
 
-Retries live in one place, botocore's ``standard`` retry mode; errors are translated once, at
-this boundary (:mod:`.s3_errors`), by error code and HTTP status, never by message text.
+Retries live in one place, botocore's ``standard`` retry mode, bounded by the ``max_attempts``
+option; the one thing it cannot retry, a GetObject body that breaks after its headers arrived,
+is read again by ``_get`` under the same bound. Errors are translated once, at this boundary
+(:mod:`.s3_errors`), by error code and HTTP status, never by message text.
 Options and URIs are validated in :mod:`.s3_options`, the probe lives in :mod:`.s3_probe`.
 """
 
@@ -34,8 +36,10 @@ import builtins
 import contextlib
 import itertools
 import logging
+import random
 import re
 import threading
+import time
 import uuid
 import warnings
 from collections import deque
@@ -44,7 +48,16 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import boto3
-from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
+import urllib3
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    FlexibleChecksumError,
+    IncompleteReadError,
+    ProfileNotFound,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
 
 from ckptstore.backends import s3_errors
 from ckptstore.backends.base import Capabilities, Chunk, ObjectInfo, PartialWrite
@@ -69,6 +82,14 @@ MAX_SINGLE_PUT = 5 << 30
 """The largest object one PutObject or CopyObject may create."""
 DELETE_BATCH = 1000
 PROBE_DIR = ".ckptstore"
+_BROKEN_BODY = (
+    ResponseStreamingError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    FlexibleChecksumError,
+    urllib3.exceptions.HTTPError,
+)
+"""A GetObject body that broke after its headers arrived: read it again."""
 
 
 class S3Backend:
@@ -130,13 +151,11 @@ class S3Backend:
             extra["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         with self._translated(key, "read"):
             try:
-                resp = self._client.get_object(Bucket=self._bucket, Key=key, **extra)
+                return self._get(key, **extra)[1]
             except ClientError as e:
                 if s3_errors.code_of(e) == "InvalidRange":  # start past the end, like EOF
                     return b""
                 raise
-            data: bytes = resp["Body"].read()
-            return data
 
     def read_into(self, path: str, out: memoryview) -> int:
         """Ranged GETs of ``part_size`` bytes, ``max_concurrency`` at a time, straight into
@@ -148,12 +167,11 @@ class S3Backend:
             extra = {"Range": f"bytes={first}-{end - 1}"} if end > first else {}
             with self._translated(key, "read"):
                 try:
-                    resp = self._client.get_object(Bucket=self._bucket, Key=key, **extra)
+                    resp, data = self._get(key, **extra)
                 except ClientError as e:
                     if s3_errors.code_of(e) == "InvalidRange":  # object shorter than expected
                         return int(e.response.get("Error", {}).get("ActualObjectSize", 0) or 0)
                     raise
-                data = resp["Body"].read()
             out[first : first + len(data)] = data
             total = str(resp.get("ContentRange", "")).rpartition("/")[2]
             return int(total) if total.isdigit() else int(resp.get("ContentLength", len(data)))
@@ -166,8 +184,7 @@ class S3Backend:
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         key = self._key(path)
         with self._translated(key, "read"):
-            resp = self._client.get_object(Bucket=self._bucket, Key=key)
-            data: bytes = resp["Body"].read()
+            resp, data = self._get(key)
             return data, str(resp["ETag"])
 
     def stat(self, path: str) -> ObjectInfo | None:
@@ -380,6 +397,23 @@ class S3Backend:
                 )
 
     def partial_writes(self, prefix: str) -> builtins.list[PartialWrite]:
+        """Unfinished multipart uploads, and probe objects a process killed mid-probe left."""
+        return self._unfinished_uploads(prefix) + self._leftover_probes(prefix)
+
+    def _leftover_probes(self, prefix: str) -> builtins.list[PartialWrite]:
+        probes = f"{PROBE_DIR}/probe-"
+        if not probes.startswith(prefix):
+            return []
+        paginator = self._client.get_paginator("list_objects_v2")
+        found = []
+        with self._translated(self._base + probes, "list"):
+            for page in paginator.paginate(Bucket=self._bucket, Prefix=self._base + probes):
+                for obj in page.get("Contents", ()):
+                    rel = str(obj["Key"])[len(self._base) :]
+                    found.append(PartialWrite(rel, "", obj["LastModified"].timestamp()))
+        return found
+
+    def _unfinished_uploads(self, prefix: str) -> builtins.list[PartialWrite]:
         full = self._base + prefix
         paginator = self._client.get_paginator("list_multipart_uploads")
         found = []
@@ -408,6 +442,9 @@ class S3Backend:
         return found
 
     def abort(self, partial: PartialWrite) -> None:
+        if partial.path.startswith(f"{PROBE_DIR}/probe-"):  # a probe object, not an upload
+            self.delete([partial.path])
+            return
         key = self._key(partial.path)
         with self._translated(key, "abort the upload of"):
             try:
@@ -433,6 +470,26 @@ class S3Backend:
 
     def _obj(self, key: str) -> str:
         return f"s3://{self._bucket}/{key}"
+
+    def _get(self, key: str, **extra: str) -> tuple[dict[str, Any], bytes]:
+        """GetObject and its body. botocore retries a request that fails, but reads a GET's
+        body (the object, or an error's XML) after its retry loop: a body that breaks after
+        the headers (reset, truncated) is read again here, up to ``max_attempts`` times."""
+        for attempt in range(1, self._opts.max_attempts + 1):
+            try:
+                resp: dict[str, Any] = self._client.get_object(
+                    Bucket=self._bucket, Key=key, **extra
+                )
+                data: bytes = resp["Body"].read()
+                return resp, data
+            except _BROKEN_BODY as e:
+                if attempt >= self._opts.max_attempts:
+                    if isinstance(e, BotoCoreError):
+                        raise
+                    raise ResponseStreamingError(error=e) from e  # urllib3's, untranslated
+                logger.debug("body of %s broke (%s); reading it again", self._obj(key), e)
+                time.sleep(random.uniform(0, min(1.0, 0.05 * 2**attempt)))
+        raise AssertionError("unreachable: max_attempts >= 1")
 
     def _put(self, key: str, body: bytes | bytearray, **extra: str) -> dict[str, Any]:
         if self._opts.checksums:
@@ -582,7 +639,7 @@ class S3Backend:
                 raise self._exists(key)
             with self._translated(key, "create"):
                 self._put(key, data)
-                back = self._client.get_object(Bucket=self._bucket, Key=key)["Body"].read()
+                back = self._get(key)[1]
             if back != data:
                 raise ObjectExistsError(
                     f"{self._obj(key)} was written concurrently by another writer, whose "

@@ -16,6 +16,7 @@ from botocore.exceptions import (
     HTTPClientError,
     NoCredentialsError,
     PartialCredentialsError,
+    ResponseStreamingError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
@@ -103,7 +104,7 @@ def translate(
             "looks in storage_options key/secret, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
             "AWS_PROFILE and ~/.aws/credentials, SSO, then the instance or container role"
         )
-    if isinstance(e, (BotoConnectionError, HTTPClientError)):
+    if isinstance(e, (BotoConnectionError, HTTPClientError, ResponseStreamingError)):
         return BackendError(
             f"cannot reach the S3 endpoint {endpoint} to {action} {target} "
             f"({type(e).__name__}, after retries); check endpoint_url / AWS_ENDPOINT_URL, "

@@ -49,9 +49,11 @@ def probe(
 
     ``wrong_crc32c`` (None: checksums are off) is a valid CRC32C of other bytes.
     """
+    # The key is new, so a refused first PUT means a retry of ours found our own first attempt
+    # (its answer was lost): only a server that honours the header refuses. ``{}``: unsupported.
     first = _attempt(put, IfNoneMatch="*")
-    again = _attempt(put, IfNoneMatch="*") if first else None
-    create_ok = bool(first) and again is None
+    again = _attempt(put, IfNoneMatch="*") if first != {} else None
+    create_ok = first != {} and again is None
     etag = etag_of(again or first or {})
     unquoted = False
     wrong = _attempt(put, IfMatch=f'"{uuid.uuid4().hex}"')

@@ -1,0 +1,117 @@
+"""The kill fuzzer (ckptstore.testing.killfuzz): a modest run in CI, and proof its checker bites.
+
+The CI run SIGKILLs savers 52 times (13 for each of sync/async x local/S3) at seeded random
+moments and checks the store after each kill; the long run (1,000 kills) is the same command
+with ``--kills 250`` (see the README). The checker tests damage a store on purpose: a checker
+that cannot fail would make the fuzzer's zeros meaningless.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptstore import CheckpointStore
+from ckptstore.layout import manifest_path, payload_path
+from ckptstore.testing import killfuzz
+from ckptstore.testing.killcheck import Findings, LocalView, check
+from ckptstore.testing.killsaver import make_state
+
+SEED = 5
+
+
+@pytest.mark.slow
+def test_fifty_kills_lose_nothing(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "ckptstore.testing.killfuzz",
+        "--seed",
+        "20",
+        "--kills",
+        "13",
+        "--modes",
+        "sync,async",
+        "--targets",
+        "local,s3",
+        "--workdir",
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    rows = {tuple(line.split()[:2]): line.split() for line in done.stdout.splitlines()}
+    for mode in ("sync", "async"):
+        for target in ("local", "s3"):
+            _, _, kills, saves, lost, corrupt, strays, _ = rows[(mode, target)]
+            assert (kills, lost, corrupt, strays) == ("13", "0", "0", "0")
+            assert int(saves) > 0
+    _, kills, _, lost, corrupt, strays, _ = rows[("all", "52")]  # the total row
+    assert (kills, lost, corrupt, strays) == ("52", "0", "0", "0")
+
+
+def saved(root: Path, steps: list[int]) -> CheckpointStore:
+    store = CheckpointStore(str(root), keep_last=2, lease=False)
+    for step in steps:
+        store.save(step, make_state(SEED, step))
+    return store
+
+
+def run_check(store: CheckpointStore, root: Path, recorded: list[int], **kw: int) -> Findings:
+    fresh = CheckpointStore(str(root), lease=False)
+    return check(
+        fresh,
+        LocalView(str(root)),
+        seed=SEED,
+        keep_last=2,
+        recorded=recorded,
+        previous_latest=kw.get("previous_latest"),
+    )
+
+
+def test_a_sound_store_passes(tmp_path: Path) -> None:
+    store = saved(tmp_path, [1, 2, 3])
+    found = run_check(store, tmp_path, [1, 2, 3])
+    assert found.problems == [] and found.latest == 3
+
+
+def test_the_checker_finds_a_lost_step(tmp_path: Path) -> None:
+    store = saved(tmp_path, [1, 2, 3])
+    store.backend.delete([manifest_path(3)])  # uncommitted behind the store's back
+    found = run_check(store, tmp_path, [1, 2, 3])
+    assert any(p.startswith("step 3 was committed, is gone") for p in found.lost), found.lost
+    assert any("latest.json points at step 3" in p for p in found.broken)
+
+
+def test_the_checker_finds_corruption_and_a_latest_that_went_back(tmp_path: Path) -> None:
+    store = saved(tmp_path, [1, 2])
+    path = payload_path(2, "varying-00000.safetensors")
+    data = bytearray(store.backend.read(path))
+    data[100] ^= 1
+    store.backend.write(path, [bytes(data)])
+    found = run_check(store, tmp_path, [1, 2], previous_latest=5)
+    assert any("step 2 does not load" in p for p in found.corrupt)
+    assert any("went back from 5 to 2" in p for p in found.broken)
+
+
+def test_the_checker_finds_strays_gc_leaves(tmp_path: Path) -> None:
+    store = saved(tmp_path, [1, 2])
+    (tmp_path / ".ckptstore").mkdir()
+    (tmp_path / ".ckptstore" / "junk").write_bytes(b"x")  # gc does not own this path
+    (tmp_path / "global_step_9").mkdir()
+    (tmp_path / "global_step_9" / "orphan").write_bytes(b"x")  # gc removes this one
+    os.utime(tmp_path / "global_step_9" / "orphan", (0, 0))
+    (tmp_path / "global_step_7").mkdir()  # a writer killed between mkdir and its first file
+    os.utime(tmp_path / "global_step_7", (0, 0))
+    found = run_check(store, tmp_path, [1, 2])
+    assert found.strays == ["stray file .ckptstore/junk"]
+    assert not (tmp_path / "global_step_9").exists()
+    assert not (tmp_path / "global_step_7").exists()
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(SystemExit, match="choose from sync, async"):
+        killfuzz.main(["--modes", "sometimes"])

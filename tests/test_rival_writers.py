@@ -1,0 +1,260 @@
+"""Two writer processes on one store, on a local disk and on S3 (moto over HTTP).
+
+(a) a zombie: A is saving when B takes the store over; A's next save is fenced, naming B, and A
+never moves ``latest`` again; (b) two clusters by mistake: B, without ``takeover``, is refused
+while A's lease is live, naming A; (c) two writers with ``lease=False`` commit different steps
+at once: nothing is lost and ``latest`` ends at the newest step, never having gone back.
+
+The writers are this file run as a script (``python tests/test_rival_writers.py JOB``): real
+processes, each with its own clients, lease and writer id. They report what happened as JSON
+lines; a thread of the test polls ``latest.json`` meanwhile to see every move it can.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptstore import CheckpointStore
+from ckptstore.backends.registry import open_backend
+from ckptstore.commit import Pointer
+from ckptstore.errors import CheckpointError, NotFoundError
+from ckptstore.layout import LATEST_NAME
+
+TIMEOUT = 120.0
+
+
+def state_for(step: int) -> dict[str, Any]:
+    return {"w": torch.randn(1 << 14, generator=torch.Generator().manual_seed(step)), "step": step}
+
+
+# -- the writer process ---------------------------------------------------------------------
+
+
+def say(**event: Any) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def worker(job: dict[str, Any]) -> int:
+    """Save ``job["steps"]`` (``"resume"``: the three after latest); report every outcome."""
+    store = CheckpointStore(
+        job["uri"],
+        storage_options=job["options"],
+        lease=job.get("lease", True),
+        takeover=job.get("takeover", False),
+    )
+    say(writer=store.writer)
+    steps = job["steps"]
+    if steps == "resume":
+        latest = store.latest()
+        start = latest.step + 1 if latest is not None else 1
+        steps = [start, start + 1, start + 2]
+    failures, deadline = 0, time.monotonic() + TIMEOUT / 2
+    for step in steps:
+        if job.get("gate") and step != steps[0]:
+            sys.stdin.readline()  # the test says when
+        try:
+            store.save(step, state_for(step))
+            say(saved=step)
+        except CheckpointError as e:
+            say(error=type(e).__name__, message=str(e), step=step)
+            failures += 1
+            if failures > job.get("tries_after_error", 0) or time.monotonic() > deadline:
+                break
+        time.sleep(job.get("pause", 0.0))
+    try:
+        store.close()
+    except CheckpointError as e:
+        say(error=type(e).__name__, message=str(e), step=None)
+    return 0
+
+
+# -- the test's side --------------------------------------------------------------------------
+
+
+class Writer:
+    """A writer process and the events it reported."""
+
+    def __init__(self, **job: Any) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, json.dumps(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.events: list[dict[str, Any]] = []
+        self.stderr: list[str] = []
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        threading.Thread(target=self._read, args=(self.proc.stdout, True), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc.stderr, False), daemon=True).start()
+
+    def _read(self, stream: Any, events: bool) -> None:
+        for line in stream:
+            if events:
+                self.events.append(json.loads(line))
+            else:
+                self.stderr.append(line)
+
+    def wait_for(self, done: Callable[[list[dict[str, Any]]], bool]) -> None:
+        give_up = time.monotonic() + TIMEOUT
+        while not done(self.events):
+            assert self.proc.poll() is None or done(self.events), self.report()
+            assert time.monotonic() < give_up, self.report()
+            time.sleep(0.02)
+
+    def finish(self) -> None:
+        assert self.proc.wait(TIMEOUT) == 0, self.report()
+        time.sleep(0.1)  # the reader threads catch up with the last lines
+
+    def release(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def report(self) -> str:
+        return f"events {self.events}\nstderr {''.join(self.stderr)[-3000:]}"
+
+    @property
+    def writer(self) -> str:
+        return str(self.events[0]["writer"])
+
+    @property
+    def saved(self) -> list[int]:
+        return [int(e["saved"]) for e in self.events if "saved" in e]
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if "error" in e]
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    if request.param == "local":
+        return str(tmp_path / "store"), {}
+    endpoint = request.getfixturevalue("s3_endpoint")
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    return request.getfixturevalue("s3_uri"), {**options, "region": "us-east-1"}
+
+
+@pytest.fixture
+def pointer_moves(where: tuple[str, dict[str, Any]]) -> Iterator[list[Pointer]]:
+    """Every distinct ``latest.json`` seen while the test runs, polled every 10 ms."""
+    backend = open_backend(*where)
+    seen: list[Pointer] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.01):
+            try:
+                pointer = Pointer.decode(backend.read(LATEST_NAME), LATEST_NAME)
+            except (NotFoundError, CheckpointError):
+                continue
+            if not seen or seen[-1] != pointer:
+                seen.append(pointer)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    yield seen
+    stop.set()
+    thread.join()
+    backend.close()
+
+
+def final_pointer(uri: str, options: dict[str, Any]) -> Pointer:
+    backend = open_backend(uri, options)
+    try:
+        return Pointer.decode(backend.read(LATEST_NAME), LATEST_NAME)
+    finally:
+        backend.close()
+
+
+def assert_forward_only(moves: list[Pointer]) -> None:
+    steps = [p.step for p in moves]
+    assert steps == sorted(steps), steps
+
+
+def assert_all_load(uri: str, options: dict[str, Any], steps: list[int]) -> None:
+    with CheckpointStore(uri, storage_options=options, lease=False) as store:
+        committed = [i.step for i in store.list()]
+        for step in steps:
+            assert step in committed, (step, committed)
+            state = store.load(step)
+            assert state["step"] == step and torch.equal(state["w"], state_for(step)["w"])
+
+
+def test_a_zombie_is_fenced_and_never_moves_latest_again(
+    where: tuple[str, dict[str, Any]], pointer_moves: list[Pointer]
+) -> None:
+    uri, options = where
+    zombie = Writer(
+        uri=uri, options=options, steps=list(range(10, 3000, 10)), pause=0.2, tries_after_error=2
+    )
+    zombie.wait_for(lambda events: sum("saved" in e for e in events) >= 2)
+    successor = Writer(uri=uri, options=options, steps="resume", takeover=True)
+    successor.finish()
+    zombie.finish()
+    assert successor.errors == [] and len(successor.saved) == 3, successor.report()
+    fenced = zombie.errors
+    assert [e["error"] for e in fenced] == ["FencedError"] * 3, zombie.report()
+    assert successor.writer in fenced[0]["message"]
+    assert max(zombie.saved) < fenced[0]["step"]  # nothing saved after the first refusal
+    epoch = max(p.epoch for p in pointer_moves)
+    taken = next(i for i, p in enumerate(pointer_moves) if p.epoch == epoch)
+    assert all(p.writer == successor.writer for p in pointer_moves[taken:]), pointer_moves
+    assert_forward_only(pointer_moves)
+    last = final_pointer(uri, options)
+    assert (last.writer, last.epoch) == (successor.writer, epoch)
+    assert last.step == max(zombie.saved + successor.saved)
+    assert_all_load(uri, options, zombie.saved + successor.saved)
+
+
+def test_a_second_cluster_is_refused_while_the_lease_is_live(
+    where: tuple[str, dict[str, Any]], pointer_moves: list[Pointer]
+) -> None:
+    uri, options = where
+    first = Writer(uri=uri, options=options, steps=[1, 2], gate=True)
+    first.wait_for(lambda events: any("saved" in e for e in events))
+    second = Writer(uri=uri, options=options, steps="resume")
+    second.finish()
+    (refused,) = second.errors
+    assert refused["error"] == "LeaseHeldError", second.report()
+    assert first.writer in refused["message"] and "takeover=True" in refused["message"]
+    assert second.saved == []
+    first.release()
+    first.finish()
+    assert first.saved == [1, 2] and first.errors == []
+    last = final_pointer(uri, options)
+    assert (last.step, last.writer) == (2, first.writer)
+    assert_forward_only(pointer_moves)
+    assert_all_load(uri, options, [1, 2])
+    with CheckpointStore(uri, storage_options=options, lease=False) as store:
+        assert [i.step for i in store.list()] == [1, 2]
+        assert store.gc(dry_run=True, older_than=0).deleted == ()  # the refused one wrote nothing
+
+
+def test_lease_free_writers_lose_no_commit(
+    where: tuple[str, dict[str, Any]], pointer_moves: list[Pointer]
+) -> None:
+    uri, options = where
+    odd = Writer(uri=uri, options=options, steps=list(range(1, 21, 2)), lease=False)
+    even = Writer(uri=uri, options=options, steps=list(range(2, 21, 2)), lease=False)
+    odd.finish()
+    even.finish()
+    assert odd.errors == [] and even.errors == [], odd.report() + even.report()
+    assert_all_load(uri, options, list(range(1, 21)))
+    assert final_pointer(uri, options).step == 20
+    assert_forward_only(pointer_moves)
+
+
+if __name__ == "__main__":
+    sys.exit(worker(json.loads(sys.argv[1])))
