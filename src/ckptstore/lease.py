@@ -142,8 +142,11 @@ class WriterLease:
                 continue  # someone renewed or took it meanwhile: look again
             if self.epoch is None:
                 self.epoch = epoch
-                if taken_from is not None:
-                    log.warning(
+                if taken_from is not None:  # loud only when the old holder may be alive
+                    log.log(
+                        logging.INFO
+                        if record is not None and record.expired(now)
+                        else logging.WARNING,
                         "%s: took the writer lease from %s (epoch %d); it can no longer commit",
                         self._uri,
                         taken_from,

@@ -1,0 +1,408 @@
+"""The per-node half of the verl integration: what each machine does with its own disk.
+
+verl writes a checkpoint where its ranks run: every FSDP rank its own shard files on its own
+node, rank 0 ``huggingface/`` and ``fsdp_config.json``, the driver ``data.pt``. Without shared
+storage no single process can read all of them, so the work is split:
+
+* every node runs a :class:`NodeAgent` (one Ray actor per node, or in-process on one node);
+* the driver asks every agent which files of the step it holds, decides who uploads what
+  (:func:`assign_files`: each path once, by a node that holds it, large files spread over
+  the nodes that share them), checks that the files add up to a whole checkpoint
+  (:func:`check_complete`), has every agent stage its share, and commits one manifest only
+  after every agent reported. A failing or missing node means no commit.
+
+Resuming runs the other way: the driver's node pulls the step first, with fallback to older
+good steps, then every other node pulls that same step, so all ranks load one step.
+
+Pulls land in a temporary directory beside the step directory and are renamed into place, so
+an interrupted pull never leaves a ``global_step_N`` that verl would take for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from ckptstore import layout
+from ckptstore.commit import SourceFile, iter_file
+from ckptstore.errors import (
+    BackendError,
+    CheckpointError,
+    ConfigError,
+    ConflictError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from ckptstore.manifest import KIND_DIRECTORY, FileEntry
+from ckptstore.store import CheckpointStore
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".ckptstore-"
+"""Names of temporary files and directories that pulls leave while they run; never pushed."""
+_RANK_FILE = re.compile(r"^(?P<kind>.+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")
+
+
+class NodeAgent:
+    """One node's view of ``local_dir`` (verl's ``trainer.default_local_dir``).
+
+    ``store`` is opened lazily from ``uri`` and ``storage_options``, without the writer lease:
+    agents stage and read, only the driver commits.
+    """
+
+    def __init__(
+        self,
+        local_dir: str,
+        uri: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        store: CheckpointStore | None = None,
+    ) -> None:
+        self.local_dir = Path(local_dir)
+        self._uri = uri
+        self._options = dict(storage_options or {})
+        self._store = store
+
+    @property
+    def store(self) -> CheckpointStore:
+        if self._store is None:
+            self._store = CheckpointStore(self._uri, storage_options=self._options, lease=False)
+        return self._store
+
+    def step_dir(self, step: int) -> Path:
+        return self.local_dir / layout.step_dir(step)
+
+    def list_step(self, step: int) -> list[tuple[str, int]]:
+        """``(relative path, size)`` of every file this node holds of ``step``."""
+        root = self.step_dir(step)
+        if not root.is_dir():
+            return []
+        return [(rel, size) for rel, size, _ in _scan(root)]
+
+    def stage(self, step: int, paths: Sequence[str]) -> list[FileEntry]:
+        """Upload this node's share of ``step`` (uncommitted); returns the manifest entries."""
+        if not paths:
+            return []
+        root = self.step_dir(step)
+        files = []
+        for rel in paths:
+            path = root / rel
+            files.append(SourceFile(rel, _reader(path), path.stat().st_size))
+        return self.store.stage_files(step, files, kind=KIND_DIRECTORY)
+
+    def pull(self, steps: Sequence[int]) -> int:
+        """Pull the first of ``steps`` that passes verification into ``global_step_N``.
+
+        A step that fails verification is skipped with a warning for the next one; if none
+        passes, CorruptCheckpointError lists why. Returns the step pulled.
+        """
+        failures: list[str] = []
+        for step in steps:
+            try:
+                self._pull_one(step)
+                return step
+            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+                log.warning("step %d failed verification (%s); trying an older step", step, e)
+                failures.append(f"step {step}: {e}")
+        raise CorruptCheckpointError(
+            f"{self.store.uri}: no committed step passed verification:\n  " + "\n  ".join(failures)
+        )
+
+    def sync(self, step: int) -> bool:
+        """Make sure this node holds the whole committed ``step``; pull it if any file is
+        missing or has the wrong size. Returns whether it pulled."""
+        info = self.store.info(step)
+        root = self.step_dir(step)
+        if all(_size(root / f.path) == f.size for f in info.files):
+            return False
+        self._pull_one(step)
+        return True
+
+    def _pull_one(self, step: int) -> None:
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.local_dir / f"{TMP_PREFIX}pull-{uuid.uuid4().hex[:12]}"
+        try:
+            self.store.pull_dir(tmp, step=step, fallback=False)
+            target = self.step_dir(step)
+            if target.exists():  # stale or partial: move it aside, then drop it
+                old = self.local_dir / f"{TMP_PREFIX}old-{uuid.uuid4().hex[:12]}"
+                os.replace(target, old)
+                _discard_dir(old)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                _discard_dir(tmp)
+        log.info("pulled step %d from %s into %s", step, self.store.uri, self.step_dir(step))
+
+    def tracked_step(self) -> int | None:
+        """The step ``latest_checkpointed_iteration.txt`` names, if its directory exists."""
+        try:
+            text = (self.local_dir / layout.VERL_TRACKER_NAME).read_text().strip()
+        except FileNotFoundError:
+            return None
+        try:
+            step = layout.check_step(text, where=str(self.local_dir / layout.VERL_TRACKER_NAME))
+        except ConfigError as e:
+            log.warning("ignoring an unreadable verl tracker file: %s", e)
+            return None
+        return step if self.step_dir(step).is_dir() else None
+
+    def write_tracker(self, step: int) -> None:
+        """Write verl's ``latest_checkpointed_iteration.txt`` atomically."""
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        tracker = self.local_dir / layout.VERL_TRACKER_NAME
+        tmp = self.local_dir / f"{TMP_PREFIX}tracker-{uuid.uuid4().hex[:12]}"
+        with open(tmp, "w") as f:
+            f.write(str(step))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, tracker)
+
+    def prune(self, current: int, keep: int) -> list[int]:
+        """Delete local step directories older than ``current`` beyond the newest ``keep``
+        (``current`` included), like verl's ``max_actor_ckpt_to_keep``; returns them."""
+        if not self.local_dir.is_dir():
+            return []
+        older = sorted(
+            step
+            for entry in self.local_dir.iterdir()
+            if entry.is_dir()
+            and (step := layout.parse_step_dir(entry.name)) is not None
+            and step < current
+        )
+        doomed = older[: max(0, len(older) - (keep - 1))]
+        for step in doomed:
+            shutil.rmtree(self.step_dir(step))
+        return doomed
+
+
+class Fleet(Protocol):
+    """The agents of every node of the job, addressed by node name."""
+
+    @property
+    def driver(self) -> str:
+        """The node the driver runs on (it holds ``data.pt`` and the tracker)."""
+        ...
+
+    def nodes(self) -> list[str]: ...
+
+    def call(self, method: str, args: Mapping[str, tuple[Any, ...]]) -> dict[str, Any]:
+        """``NodeAgent.method(*args[node])`` on each named node, in parallel; the results."""
+        ...
+
+
+class LocalFleet:
+    """Agents in this process: one for a single node (or shared storage); several, each with
+    its own directory, stand in for the nodes of a cluster in tests."""
+
+    def __init__(self, agents: Mapping[str, NodeAgent], driver: str | None = None) -> None:
+        if not agents:
+            raise ConfigError("a fleet needs at least one node agent")
+        self._agents = dict(agents)
+        self._driver = driver if driver is not None else next(iter(self._agents))
+        if self._driver not in self._agents:
+            raise ConfigError(f"driver node {self._driver!r} has no agent")
+
+    @property
+    def driver(self) -> str:
+        return self._driver
+
+    def nodes(self) -> list[str]:
+        return list(self._agents)
+
+    def call(self, method: str, args: Mapping[str, tuple[Any, ...]]) -> dict[str, Any]:
+        return {node: getattr(self._agents[node], method)(*a) for node, a in args.items()}
+
+
+class RayFleet:
+    """One :class:`NodeAgent` Ray actor on every alive node of the Ray cluster.
+
+    Actors take no CPU (``num_cpus=0``), so they never compete with verl's placement groups.
+    The node list is refreshed on every call: nodes that joined get an agent, dead ones are
+    dropped, and a dead node's shards then show up as missing in :func:`check_complete`.
+    """
+
+    def __init__(
+        self,
+        local_dir: str,
+        uri: str,
+        storage_options: Mapping[str, Any],
+        *,
+        agent: type[NodeAgent] = NodeAgent,
+    ) -> None:
+        import ray
+
+        self._ray: Any = ray  # untyped calls (ray.nodes) go through Any
+        self._spec = (local_dir, uri, dict(storage_options))
+        self._agent = agent
+        self._actors: dict[str, Any] = {}
+        self._driver = str(ray.get_runtime_context().get_node_id())
+
+    @property
+    def driver(self) -> str:
+        return self._driver
+
+    def nodes(self) -> list[str]:
+        alive = sorted(str(n["NodeID"]) for n in self._ray.nodes() if n.get("Alive"))
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        remote_agent = self._ray.remote(num_cpus=0)(self._agent)
+        for node in alive:
+            if node not in self._actors:
+                strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+                self._actors[node] = remote_agent.options(scheduling_strategy=strategy).remote(
+                    *self._spec
+                )
+        for node in set(self._actors) - set(alive):
+            del self._actors[node]
+        return alive
+
+    def call(self, method: str, args: Mapping[str, tuple[Any, ...]]) -> dict[str, Any]:
+        if not self._actors:
+            self.nodes()
+        futures = {node: getattr(self._actors[node], method).remote(*a) for node, a in args.items()}
+        results: dict[str, Any] = {}
+        errors: list[CheckpointError] = []
+        for node, future in futures.items():  # wait for all: no node still uploads after a raise
+            try:
+                results[node] = self._ray.get(future)
+            except self._ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                errors.append(
+                    cause
+                    if isinstance(cause, CheckpointError)
+                    else BackendError(f"the ckptstore agent on node {node} failed: {e}")
+                )
+            except self._ray.exceptions.RayActorError as e:
+                del self._actors[node]
+                errors.append(
+                    BackendError(f"the ckptstore agent on node {node} died: {e}", retryable=True)
+                )
+        if errors:
+            raise errors[0]
+        return results
+
+
+def assign_files(
+    listings: Mapping[str, Sequence[tuple[str, int]]], step: int
+) -> dict[str, list[str]]:
+    """Which node uploads which file of ``step``: each path exactly once, by a node that holds it.
+
+    A path held by several nodes (shared storage, or a leftover) goes to the least loaded of
+    them, largest files first, so shared storage still uploads in parallel. Copies of one path
+    that differ in size mean stale files on some node: a ConflictError names them.
+    """
+    sizes: dict[str, int] = {}
+    holders: dict[str, list[str]] = {}
+    for node in sorted(listings):
+        for rel, size in listings[node]:
+            if rel in sizes and sizes[rel] != size:
+                raise ConflictError(
+                    f"step {step}: {rel} is {size} bytes on node {node} but {sizes[rel]} bytes "
+                    f"on node {holders[rel][0]}; one of them is a stale copy from another run. "
+                    f"Delete {layout.step_dir(step)} on the node whose copy is stale and save again"
+                )
+            sizes[rel] = size
+            holders.setdefault(rel, []).append(node)
+    if not sizes:
+        raise IncompleteCheckpointError(
+            f"no node holds any file of {layout.step_dir(step)}; verl saved nothing there, or "
+            "trainer.default_local_dir differs between nodes (use an absolute path)"
+        )
+    load = dict.fromkeys(listings, 0)
+    plan: dict[str, list[str]] = {node: [] for node in listings}
+    for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
+        node = min(holders[rel], key=lambda n: (load[n], n))
+        plan[node].append(rel)
+        load[node] += sizes[rel]
+    return plan
+
+
+def check_complete(paths: Sequence[str], step: int) -> None:
+    """Refuse to commit a step that lacks what verl needs to resume from it.
+
+    ``data.pt`` (the driver's trainer state), something under ``actor/``, and for each kind of
+    per-rank file (``model_world_size_W_rank_R.pt`` and the like) all ``W`` ranks: a node whose
+    agent did not report shows up here as missing ranks.
+    """
+    where = layout.step_dir(step)
+    present = set(paths)
+    if "data.pt" not in present:
+        raise IncompleteCheckpointError(
+            f"{where}/data.pt (the trainer state verl's driver writes) was found on no node; "
+            "nothing was committed"
+        )
+    if not any(p.startswith("actor/") for p in present):
+        raise IncompleteCheckpointError(f"{where} has no actor/ files; nothing was committed")
+    ranks: dict[tuple[str, int], set[int]] = {}
+    for path in present:
+        folder, _, name = path.rpartition("/")
+        match = _RANK_FILE.match(name)
+        if match:
+            key = (f"{folder}/{match['kind']}" if folder else match["kind"], int(match["world"]))
+            ranks.setdefault(key, set()).add(int(match["rank"]))
+    for (kind, world), found in sorted(ranks.items()):
+        missing = sorted(set(range(world)) - found)
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            raise IncompleteCheckpointError(
+                f"{where}: {kind}_world_size_{world}_rank_R.pt is missing for rank(s) {shown} on "
+                "every node that reported; a node without an agent (or a failed save) would "
+                "lose them, so nothing was committed"
+            )
+
+
+def _scan(root: Path) -> Iterator[tuple[str, int, Path]]:
+    """Files under ``root`` as ``(posix relative path, size, path)``, sorted, without our
+    temporary files; symlinks leaving ``root`` are refused (they could upload secrets)."""
+    base = root.resolve()
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
+        for name in filenames:
+            if name.startswith(TMP_PREFIX) or name.startswith(".ckpt-tmp-"):
+                continue
+            path = Path(dirpath, name)
+            if path.is_symlink() and not path.resolve().is_relative_to(base):
+                raise ConfigError(f"{path} is a symlink leaving {root}; refusing to upload it")
+            found.append((path.relative_to(root).as_posix(), path.stat().st_size, path))
+    yield from sorted(found)
+
+
+def _reader(path: Path) -> Callable[[], Iterator[bytes]]:
+    def chunks() -> Iterator[bytes]:
+        with open(path, "rb") as f:
+            yield from iter_file(f.read)
+
+    return chunks
+
+
+def _discard_dir(path: Path) -> None:
+    """Remove a temporary directory; a failure is logged (it is garbage, never a step)."""
+    try:
+        shutil.rmtree(path)
+    except OSError as e:
+        log.warning("could not remove the temporary directory %s (remove it by hand): %s", path, e)
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+__all__ = [
+    "Fleet",
+    "LocalFleet",
+    "NodeAgent",
+    "RayFleet",
+    "assign_files",
+    "check_complete",
+]
