@@ -1,0 +1,53 @@
+"""The benchmark's smoke run: every row of the table, on a local dir and on moto, at 8 MiB.
+
+Not a timed test: it asserts that the benchmark runs end to end, prints every row and the
+targets, and that the rows that must run did (and loaded back the bytes they saved). Rows of
+optional peers (s3torchconnector, DCP over s3fs) may say why they did not run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+OPTIONAL = ("s3torchconnector", "dcp.save FsspecWriter", "dcp.load FsspecReader")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_bench_smoke_prints_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    from bench_methods import catalog
+
+    expected = [(row.target, row.name) for row in catalog()]
+    out = tmp_path / "bench.json"
+    args = ["--size-mb", "8", "--runs", "1", "--json", str(out), "--tmpdir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=1100,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout
+    assert "targets (ratios from this run):" in table
+    lines = table.splitlines()
+    for target, name in expected:
+        assert any(line.split()[:1] == [target] and name in line for line in lines), (target, name)
+    rows = {(r["target"], r["row"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(expected)
+    for key, row in rows.items():
+        if not row["ok"]:
+            assert key[1].startswith(OPTIONAL), f"{key}: {row.get('error')}"
+            assert "did not run:" in table
+            continue
+        assert len(row["seconds"]) == 1 and row["mb_s"] > 0, key
+    incremental = rows[("s3", "ckptstore incremental")]
+    assert 0 < incremental["notes"]["changed_fraction"] < 0.15
