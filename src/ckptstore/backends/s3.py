@@ -112,6 +112,9 @@ class S3Backend:
         self._warned: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._part_slots = threading.BoundedSemaphore(self._opts.max_concurrency)
+        """Parts in flight across all concurrent uploads: memory stays near
+        ``part_size x max_concurrency`` however many files a save writes at once."""
 
     def _build_client(self) -> Any:
         """boto3 resolves whatever we do not pass (env vars, profiles, roles) as usual."""
@@ -265,7 +268,11 @@ class S3Backend:
                         finished, inflight = wait(inflight, return_when=FIRST_COMPLETED)
                         done.extend(f.result() for f in finished)
                     size += len(part)
-                    inflight.add(pool.submit(self._upload_part, key, upload_id, number, part))
+                    self._part_slots.acquire()  # shared with the other files being written
+                    future = pool.submit(self._upload_part, key, upload_id, number, part)
+                    future.add_done_callback(lambda _: self._part_slots.release())
+                    inflight.add(future)
+                    del part
                 finished, inflight = wait(inflight)
                 done.extend(f.result() for f in finished)
                 done.sort(key=lambda p: int(p["PartNumber"]))
