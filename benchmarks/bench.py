@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_row(spec, env, scratch, args.row_timeout)
             result |= {"row": row.name, "target": row.target, "kind": row.kind}
             results.append(result)
-            if result.get("ok") and "best_transfer" in result.get("notes", {}):
+            if result.get("ok") and row.limit and row.kind == "save" and row.target == "s3":
                 part, conc = result["notes"]["best_transfer"]
                 transfer = (int(part), int(conc))
             shutil.rmtree(workdir, ignore_errors=True)

@@ -328,6 +328,7 @@ class Row:
 
 def catalog() -> list[Row]:
     import bench_s3 as s3
+    import bench_s3_limits as limits
 
     local: list[tuple[str, Callable[[Spec], Method]]] = [
         ("raw write+fsync", RawWrite),
@@ -342,7 +343,7 @@ def catalog() -> list[Row]:
         ("dcp.load FileSystemReader", DcpLoad),
     ]
     remote: list[tuple[str, Callable[[Spec], Method]]] = [
-        ("raw boto3 multipart upload", s3.RawUpload),
+        ("raw boto3 multipart upload", limits.RawUpload),
         ("ckptstore save", Ckpt),
         ("ckptstore save_async", CkptAsync),
         ("ckptstore incremental", CkptIncremental),
@@ -350,7 +351,7 @@ def catalog() -> list[Row]:
         ("torch.save>s3fs.open", s3.S3fsSave),
         ("dcp.save FsspecWriter", s3.DcpFsspecSave),
         ("s3torchconnector save", s3.S3tcSave),
-        ("raw boto3 download", s3.RawDownload),
+        ("raw boto3 download", limits.RawDownload),
         ("ckptstore load", CkptLoad),
         ("download_fileobj>torch.load", s3.BotoLoad),
         ("s3fs.open>torch.load", s3.S3fsLoad),

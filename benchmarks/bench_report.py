@@ -49,10 +49,10 @@ def _notes(r: Result) -> str:
     uploaded = extras.get("uploaded", [1.0])
     if r["row"].endswith("incremental") or min(uploaded) < 0.99:
         parts.append(f"uploaded {statistics.median(extras['uploaded']):.1%} of bytes")
-    for key in ("best_transfer", "transfer"):
-        if key in notes:
-            part, conc = notes[key]
-            parts.append(f"{part // MiB} MiB parts x {conc}")
+    if "best_transfer" in notes:
+        size, conc = notes["best_transfer"]
+        unit = "parts" if r["kind"] == "save" else "ranges"
+        parts.append(f"best of sweep: {size / MiB:.0f} MiB {unit} x {conc}")
     if r["target"] == "local" and r["kind"] == "load":
         parts.append("cold page cache")
     return "; ".join(p for p in parts if p)

@@ -1,18 +1,14 @@
-"""The S3 rows: the raw boto3 limits, and the ways people save a ``state_dict`` to S3 today.
+"""The S3 rows: the ways people save a ``state_dict`` to S3 today (limits: bench_s3_limits).
 
-Raw limits use boto3's transfer manager without client-side checksums (the least work a client
-can do) and the best part size and concurrency of a short sweep, measured in the same run.
-The other rows use each library the way its documentation shows, with boto3's own defaults
-except where a row says it is tuned.
+Each library is used the way its documentation shows, with its own defaults except where a row
+says it is tuned.
 """
 
 from __future__ import annotations
 
 import io
-import time
 from typing import IO, Any, cast
 
-import bench_state as st
 import torch
 from bench_methods import Method, Spec, materialize
 
@@ -64,106 +60,6 @@ class _Boto(Method):
 
     def delete(self, name: str) -> None:
         self.client.delete_object(Bucket=_s3(self.spec).bucket, Key=self.key(name))
-
-
-class _Reusable(io.BytesIO):
-    """A BytesIO that survives boto3 closing it after an upload."""
-
-    def close(self) -> None:
-        pass
-
-
-class RawUpload(_Boto):
-    """boto3 ``upload_fileobj`` of the flat bytes, at the best settings of a short sweep."""
-
-    def setup(self, state: Any) -> None:
-        self.client = boto_client(self.spec, checksums=False, pool=40)
-        self.source = _Reusable(st.flat_bytes(state).numpy().data)
-        part, conc = self.spec.part_size, self.spec.concurrency
-        tried = {(p * MiB, conc): 0.0 for p in (8, 16, 32, 64)} | {(part, conc): 0.0}
-        for config in list(tried):
-            tried[config] = self._timed(config)
-        best = min(tried, key=tried.__getitem__)
-        for conc2 in (4, 16, 32):
-            tried[(best[0], conc2)] = self._timed((best[0], conc2))
-        self.best = min(tried, key=tried.__getitem__)
-        self.notes["best_transfer"] = list(self.best)
-        self.notes["sweep"] = {f"{p // MiB}MiBx{c}": round(s, 3) for (p, c), s in tried.items()}
-
-    def _timed(self, config: tuple[int, int]) -> float:
-        started = time.perf_counter()
-        self._upload(config)
-        return time.perf_counter() - started
-
-    def _upload(self, config: tuple[int, int]) -> None:
-        self.source.seek(0)
-        self.client.upload_fileobj(
-            self.source, _s3(self.spec).bucket, self.key("raw.bin"), Config=transfer_config(*config)
-        )
-
-    def before(self, i: int, state: Any) -> None:
-        self.delete("raw.bin")
-
-    def run(self, i: int, state: Any) -> tuple[Any, dict[str, float]]:
-        self._upload(self.best)
-        return None, {}
-
-
-class _Into(io.RawIOBase):
-    """A seekable writer over a preallocated buffer, for ``download_fileobj``."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view, self.pos = view, 0
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = offset if whence == io.SEEK_SET else self.pos + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def write(self, data: Any) -> int:
-        n = memoryview(data).nbytes
-        self.view[self.pos : self.pos + n] = data
-        self.pos += n
-        return n
-
-
-class RawDownload(_Boto):
-    """boto3 ``download_fileobj`` into a fresh buffer, at the raw upload's best settings."""
-
-    kind = "load"
-
-    def setup(self, state: Any) -> None:
-        self.client = boto_client(self.spec, checksums=False, pool=40)
-        self.config = self.spec.transfer or (self.spec.part_size, self.spec.concurrency)
-        self.notes["transfer"] = list(self.config)
-        flat = st.flat_bytes(state)
-        self.crc = st.fingerprint(flat)
-        self.size = flat.numel()
-        self.client.upload_fileobj(
-            io.BytesIO(flat.numpy().data),
-            _s3(self.spec).bucket,
-            self.key("raw.bin"),
-            Config=transfer_config(*self.config),
-        )
-
-    def run(self, i: int, state: Any) -> tuple[Any, dict[str, float]]:
-        out = torch.empty(self.size, dtype=torch.uint8)
-        target = _Into(out.numpy().data)
-        bucket, key = _s3(self.spec).bucket, self.key("raw.bin")
-        self.client.download_fileobj(bucket, key, target, Config=transfer_config(*self.config))
-        return out, {}
-
-    def verify(self, out: Any) -> None:
-        if st.fingerprint(out) != self.crc:
-            raise AssertionError("raw download returned other bytes")
 
 
 class BotoSave(_Boto):
