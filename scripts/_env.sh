@@ -14,11 +14,12 @@ fi
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing ckptstore[$extras] into $venv (first run takes a few minutes)" >&2
-  "$venv/bin/python" -m pip install -q --upgrade pip >&2
+  # --no-cache-dir: the install is several GB; a second copy in pip's cache can fill a small disk.
+  "$venv/bin/python" -m pip install -q --no-cache-dir --upgrade pip >&2
   # Pin the CPU build of torch in the same resolve: alone, `torch>=2.1` may be "upgraded" to a
   # multi-GB CUDA build even with 2.13.0 already installed. The boto3 cap matches the botocore
   # that today's aiobotocore (under s3fs) accepts; without it pip backtracks for many minutes.
-  "$venv/bin/python" -m pip install -q "torch==${CKPTSTORE_TORCH:-2.13.0}" "boto3<1.43.118" \
+  "$venv/bin/python" -m pip install -q --no-cache-dir "torch==${CKPTSTORE_TORCH:-2.13.0}" "boto3<1.43.118" \
     -e "$root[$extras]" >&2
   echo "$want" > "$stamp"
 fi

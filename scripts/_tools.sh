@@ -18,8 +18,8 @@ if [ ! -f "$tools_stamp" ] || [ "$(cat "$tools_stamp")" != "$tools_want" ]; then
   echo "setup: installing ${tools_pins[*]} into $tools_venv (first run takes about a minute)" >&2
   rm -rf "$tools_venv"
   "${PYTHON:-python3}" -m venv "$tools_venv"
-  "$tools_venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$tools_venv/bin/python" -m pip install -q "${tools_pins[@]}" >&2
+  "$tools_venv/bin/python" -m pip install -q --no-cache-dir --upgrade pip >&2
+  "$tools_venv/bin/python" -m pip install -q --no-cache-dir "${tools_pins[@]}" >&2
 
   cat > "$tools_venv/bin/terraform" <<SHIM
 #!$tools_venv/bin/python
