@@ -7,9 +7,9 @@ Every row is measured in a fresh subprocess (bench_worker.py) that builds the sa
 fixed seed; the S3 server (moto, unless ``--endpoint-url``) runs in this process, so its memory
 is not counted against any row. Each row's speed is the median of ``--runs`` runs, compared
 with the raw limit of its target measured in the same run: the same bytes written with one
-write + fsync (or read back with the page cache dropped), and uploaded (downloaded) by boto3's
-multipart transfer at the best settings of a short sweep. The table is followed by the issue's
-targets, each with PASS or MISS. See benchmarks/README.md.
+write + fsync (or read back with the page cache dropped), and uploaded (downloaded) through
+boto3's plain API at the best settings of a short sweep (bench_s3_limits.py). The table is
+followed by the issue's targets, each with PASS or MISS. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--targets", default="local,s3", help="comma-separated: local, s3")
     p.add_argument("--endpoint-url", help="an S3 endpoint to use instead of starting moto")
     p.add_argument("--bucket", default="ckptstore-bench", help="bucket (created on moto)")
-    p.add_argument("--part-size-mb", type=int, default=16, help="ckptstore and tuned boto3 rows")
+    p.add_argument("--part-size-mb", type=int, default=32, help="ckptstore and tuned boto3 rows")
     p.add_argument("--concurrency", type=int, default=8, help="ckptstore and tuned boto3 rows")
     p.add_argument("--shard-size-mb", type=int, help="ckptstore shard_size (default: library's)")
     p.add_argument("--only", help="comma-separated method-name prefixes (raw limits always run)")
@@ -150,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, scratch, ignore_errors=True)
         s3, client = start_s3(args, stack) if "s3" in args.targets else (None, None)
-        transfer: tuple[int, int] | None = None
         started = time.perf_counter()
         for n, row in enumerate(rows, 1):
             slug = _slug(f"{row.target}-{row.name}")
@@ -168,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
                 part_size=args.part_size_mb * MiB,
                 concurrency=args.concurrency,
                 s3=row_s3,
-                transfer=transfer,
                 shard_size=args.shard_size_mb * MiB if args.shard_size_mb else None,
             )
             print(f"[{n}/{len(rows)}] {row.target} {row.name} ...", file=sys.stderr, flush=True)
@@ -176,9 +174,6 @@ def main(argv: list[str] | None = None) -> int:
             result = run_row(spec, env, scratch, args.row_timeout)
             result |= {"row": row.name, "target": row.target, "kind": row.kind}
             results.append(result)
-            if result.get("ok") and row.limit and row.kind == "save" and row.target == "s3":
-                part, conc = result["notes"]["best_transfer"]
-                transfer = (int(part), int(conc))
             shutil.rmtree(workdir, ignore_errors=True)
             if row_s3 is not None and client is not None:
                 clear_prefix(client, row_s3.bucket, row_s3.prefix + "/")

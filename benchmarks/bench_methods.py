@@ -6,8 +6,9 @@ load row drops the page cache of its files); ``run`` is the timed part and retur
 produced, which ``verify`` checks against the bytes that were saved. Every durable local write
 is fsynced. Every run writes new files and a row keeps them until it ends, as a store keeps its
 steps: on this machine's disk, rewriting blocks freed a moment ago is several times faster than
-writing fresh ones, and deleting between runs would favour whichever rows did it. The S3
-methods live in :mod:`bench_s3`.
+writing fresh ones, and deleting between runs would favour whichever rows did it. The raw
+limits live in :mod:`bench_local_limits` and :mod:`bench_s3_limits`, the S3 methods in
+:mod:`bench_s3`.
 """
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ class Spec:
     part_size: int
     concurrency: int
     s3: S3Target | None = None
-    transfer: tuple[int, int] | None = None
-    """(part size, concurrency) that the raw upload found best; the raw download reuses it."""
     shard_size: int | None = None
     """ckptstore's shard_size; None keeps the library's default."""
 
@@ -93,55 +92,6 @@ class Method:
 
     def close(self) -> None:
         """Release clients."""
-
-
-# -- raw limits ----------------------------------------------------------------------------
-
-
-class RawWrite(Method):
-    """The same bytes in one ``write`` and one ``fsync``: the local save limit."""
-
-    def setup(self, state: Any) -> None:
-        self.flat = st.flat_bytes(state).numpy().data
-
-    def run(self, i: int, state: Any) -> tuple[Any, dict[str, float]]:
-        write_file(self.dir / f"raw-{i}.bin", self.flat)
-        return None, {}
-
-
-class RawRead(Method):
-    """The same bytes read back from disk (page cache dropped) into a fresh buffer."""
-
-    kind = "load"
-
-    def setup(self, state: Any) -> None:
-        flat = st.flat_bytes(state)
-        self.crc = st.fingerprint(flat)
-        write_file(self.dir / "raw.bin", flat.numpy().data)
-
-    def run(self, i: int, state: Any) -> tuple[Any, dict[str, float]]:
-        path = self.dir / "raw.bin"
-        out = torch.empty(path.stat().st_size, dtype=torch.uint8)
-        view, filled = out.numpy().data, 0
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(view[filled:]):
-                filled += n
-        return out, {}
-
-    def verify(self, out: Any) -> None:
-        if st.fingerprint(out) != self.crc:
-            raise AssertionError("raw read returned other bytes")
-
-
-def write_file(path: Path, data: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        done = 0
-        while done < len(data):
-            done += os.write(fd, data[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- ckptstore ---------------------------------------------------------------------------------
@@ -327,17 +277,18 @@ class Row:
 
 
 def catalog() -> list[Row]:
+    import bench_local_limits as local_limits
     import bench_s3 as s3
     import bench_s3_limits as limits
 
     local: list[tuple[str, Callable[[Spec], Method]]] = [
-        ("raw write+fsync", RawWrite),
+        ("raw write+fsync", local_limits.RawWrite),
         ("ckptstore save", Ckpt),
         ("ckptstore save_async", CkptAsync),
         ("ckptstore incremental", CkptIncremental),
         ("torch.save+fsync", TorchSave),
         ("dcp.save FileSystemWriter", DcpSave),
-        ("raw read", RawRead),
+        ("raw read", local_limits.RawRead),
         ("ckptstore load", CkptLoad),
         ("torch.load", TorchLoad),
         ("dcp.load FileSystemReader", DcpLoad),

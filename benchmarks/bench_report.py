@@ -49,10 +49,12 @@ def _notes(r: Result) -> str:
     uploaded = extras.get("uploaded", [1.0])
     if r["row"].endswith("incremental") or min(uploaded) < 0.99:
         parts.append(f"uploaded {statistics.median(extras['uploaded']):.1%} of bytes")
-    if "best_transfer" in notes:
-        size, conc = notes["best_transfer"]
-        unit = "parts" if r["kind"] == "save" else "ranges"
-        parts.append(f"best of sweep: {size / MiB:.0f} MiB {unit} x {conc}")
+    if "best" in notes:
+        parts.append(f"best of sweep: {notes['best']}")
+    single = notes.get("sweep", {}).get("1 file, 1 write")
+    if single:
+        verb = "write" if r["kind"] == "save" else "read"
+        parts.append(f"1 file, 1 {verb}: {r['state_bytes'] / 1e6 / single:.0f} MB/s")
     if r["target"] == "local" and r["kind"] == "load":
         parts.append("cold page cache")
     return "; ".join(p for p in parts if p)

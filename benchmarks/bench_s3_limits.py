@@ -1,87 +1,124 @@
-"""The raw S3 limits: the same bytes through boto3's multipart API, at the best of a sweep.
+"""The raw S3 limits: the same bytes through boto3's plain API, at the best of a sweep.
 
-The upload calls CreateMultipartUpload / UploadPart / CompleteMultipartUpload directly from a
-thread pool, each part one ``bytes`` slice of the flat state, with no client-side checksum:
-the least work a boto3 client can do per byte. The download is the mirror image: parallel
-ranged GetObjects into one preallocated buffer. boto3's transfer manager (``upload_fileobj``,
-``download_fileobj``) was slower than both on this machine (it copies each part and streams
-it in 8 KiB writes), so it is not the limit; the tuned ``upload_fileobj`` row shows it.
+The upload calls CreateMultipartUpload / UploadPart / CompleteMultipartUpload (or PutObject for
+objects no larger than a part) directly from a thread pool, each part one ``bytes`` slice of
+the flat state, with no client-side checksum: the least work a boto3 client can do per byte.
+The download is the mirror image: parallel (ranged) GetObjects into one preallocated buffer.
+boto3's transfer manager (``upload_fileobj``) was slower than this here (it copies each part and
+streams it in 8 KiB writes); the tuned ``upload_fileobj`` row shows it.
 
-Part (range) size and concurrency are swept with one transfer each, in the row's own process
-just before its timed runs; the sweep is in the notes and the JSON. On moto, a ranged GET
-costs the server a read of the whole object, so the download sweep includes ranges of a
-1/concurrency share of the object.
+The sweep covers part (range) size and concurrency, and also how the bytes are cut into
+objects: one object, or objects of 32 or 128 MiB. That matters on moto, where completing a
+multipart upload rewrites the whole object and every ranged GET reads the whole object, so a
+single 1 GiB object is several times slower than the same bytes in small objects; a limit
+measured only on one big object would flatter any method that writes smaller files. Each
+setting is timed once, in the row's own process just before its timed runs; the sweep is in
+the JSON.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import bench_state as st
 import torch
 from bench_s3 import MiB, _Boto, _s3, boto_client
 
-Config = tuple[int, int]
-"""(part or range size in bytes, concurrency)."""
+Config = tuple[int, int, int]
+"""(object size, part or range size, concurrency), in bytes where sizes."""
+WHOLE = 1 << 62
+"""An object size meaning "all the bytes in one object"."""
+
+
+def _cuts(total: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + size, total)) for a in range(0, total, size)]
+
+
+def _label(config: Config) -> str:
+    objects, part, conc = config
+    layout = "1 object" if objects >= WHOLE else f"{objects // MiB} MiB objects"
+    pieces = "whole objects" if part >= WHOLE else f"{part // MiB} MiB pieces"
+    return f"{layout}, {pieces} x {conc}"
 
 
 def _sweep(
-    attempt: Any, configs: list[Config], widen: list[int]
+    timed: Callable[[Config], float], configs: list[Config]
 ) -> tuple[Config, dict[str, float]]:
-    """Time ``attempt(config)`` once per config, then at the best size with other concurrency."""
-    tried = {config: attempt(config) for config in configs}
-    size = min(tried, key=tried.__getitem__)[0]
-    for concurrency in widen:
-        if (size, concurrency) not in tried:
-            tried[(size, concurrency)] = attempt((size, concurrency))
+    """Time each config once, then the best layout and size at other concurrencies."""
+    tried = {config: timed(config) for config in configs}
+    objects, part, _ = min(tried, key=tried.__getitem__)
+    for concurrency in (4, 16):
+        if (objects, part, concurrency) not in tried:
+            tried[(objects, part, concurrency)] = timed((objects, part, concurrency))
     best = min(tried, key=tried.__getitem__)
-    return best, {f"{p / MiB:.0f}MiBx{c}": round(s, 3) for (p, c), s in tried.items()}
+    return best, {_label(c): round(s, 3) for c, s in tried.items()}
 
 
 class RawUpload(_Boto):
-    """boto3 multipart upload of the flat bytes, at the best part size and concurrency."""
+    """boto3 multipart uploads of the flat bytes, at the best layout, part size, concurrency."""
 
     def setup(self, state: Any) -> None:
         self.client = boto_client(self.spec, checksums=False, pool=64)
         self.flat = st.flat_bytes(state).numpy().data
-        conc = self.spec.concurrency
-        sizes = sorted({8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, self.spec.part_size})
-        self.best, sweep = _sweep(self._timed, [(s, conc) for s in sizes], [4, 16, 32])
-        self.notes |= {"best_transfer": list(self.best), "sweep": sweep}
+        part, conc = self.spec.part_size, self.spec.concurrency
+        configs = [(WHOLE, part, conc), (WHOLE, 64 * MiB, conc), (128 * MiB, part, conc)]
+        configs += [(32 * MiB, part, conc), (32 * MiB, 32 * MiB, conc)]
+        self.best, sweep = _sweep(self._timed, configs)
+        self.notes |= {"best": _label(self.best), "best_transfer": list(self.best), "sweep": sweep}
 
     def _timed(self, config: Config) -> float:
         started = time.perf_counter()
-        self.upload("sweep.bin", config)
+        self.upload("sweep", config)
         return time.perf_counter() - started
 
     def upload(self, name: str, config: Config) -> None:
-        part, concurrency = config
-        bucket, key = _s3(self.spec).bucket, self.key(name)
-        upload_id = self.client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        objects, part, concurrency = config
+        bucket, waits = _s3(self.spec).bucket, []
+        with ThreadPoolExecutor(concurrency) as pool, ThreadPoolExecutor(4) as completer:
+            for n, (start, end) in enumerate(_cuts(len(self.flat), objects)):
+                key = self.key(f"{name}/{n:05d}")
+                if end - start <= part:
+                    waits.append(pool.submit(self._put, key, start, end))
+                    continue
+                upload_id = self.client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+                parts = [
+                    pool.submit(self._part, key, upload_id, number, start + a, start + b)
+                    for number, (a, b) in enumerate(_cuts(end - start, part), 1)
+                ]
+                waits.append(completer.submit(self._complete, key, upload_id, parts))
+            for future in waits:
+                future.result()
 
-        def one(number: int) -> dict[str, Any]:
-            start = (number - 1) * part
-            body = bytes(self.flat[start : start + part])
-            resp = self.client.upload_part(
-                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
-            )
-            return {"PartNumber": number, "ETag": resp["ETag"]}
+    def _put(self, key: str, a: int, b: int) -> None:
+        body = bytes(self.flat[a:b])
+        self.client.put_object(Bucket=_s3(self.spec).bucket, Key=key, Body=body)
 
-        with ThreadPoolExecutor(concurrency) as pool:
-            parts = list(pool.map(one, range(1, -(-len(self.flat) // part) + 1)))
+    def _part(self, key: str, upload_id: str, number: int, a: int, b: int) -> dict[str, Any]:
+        bucket, body = _s3(self.spec).bucket, bytes(self.flat[a:b])
+        resp = self.client.upload_part(
+            Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+        )
+        return {"PartNumber": number, "ETag": resp["ETag"]}
+
+    def _complete(self, key: str, upload_id: str, parts: list[Future[dict[str, Any]]]) -> None:
+        done = [future.result() for future in parts]
         self.client.complete_multipart_upload(
-            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            Bucket=_s3(self.spec).bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": done},
         )
 
     def run(self, i: int, state: Any) -> tuple[Any, dict[str, float]]:
-        self.upload(f"raw-{i}.bin", self.best)
+        self.upload(f"raw-{i}", self.best)
         return None, {}
 
 
 class RawDownload(_Boto):
-    """Parallel ranged GetObjects into a fresh buffer, at the best range size and concurrency."""
+    """Parallel (ranged) GetObjects into a fresh buffer, at the best layout, range, concurrency."""
 
     kind = "load"
 
@@ -91,12 +128,16 @@ class RawDownload(_Boto):
         self.crc, self.size = st.fingerprint(flat), flat.numel()
         uploader = RawUpload(self.spec)
         uploader.client, uploader.flat = self.client, flat.numpy().data
-        uploader.upload("raw.bin", self.spec.transfer or (self.spec.part_size, 8))
+        part, conc = self.spec.part_size, self.spec.concurrency
+        for objects in (WHOLE, 128 * MiB, 32 * MiB):
+            uploader.upload(f"layout-{objects}", (objects, part, conc))
         del uploader, flat
-        conc = self.spec.concurrency
-        sizes = {16 * MiB, 64 * MiB, self.spec.part_size, max(MiB, -(-self.size // conc))}
-        self.best, sweep = _sweep(self._timed, [(s, conc) for s in sorted(sizes)], [4, 16])
-        self.notes |= {"best_transfer": list(self.best), "sweep": sweep}
+        share = max(MiB, -(-self.size // conc))
+        configs = [(WHOLE, part, conc), (WHOLE, share, conc), (WHOLE, WHOLE, 1)]
+        configs += [(128 * MiB, part, conc), (128 * MiB, WHOLE, conc)]
+        configs += [(32 * MiB, part, conc), (32 * MiB, WHOLE, conc)]
+        self.best, sweep = _sweep(self._timed, configs)
+        self.notes |= {"best": _label(self.best), "best_transfer": list(self.best), "sweep": sweep}
 
     def _timed(self, config: Config) -> float:
         started = time.perf_counter()
@@ -104,18 +145,24 @@ class RawDownload(_Boto):
         return time.perf_counter() - started
 
     def download(self, config: Config) -> torch.Tensor:
-        span, concurrency = config
+        objects, span, concurrency = config
         out = torch.empty(self.size, dtype=torch.uint8)
-        view = out.numpy().data
-        bucket, key = _s3(self.spec).bucket, self.key("raw.bin")
+        view, bucket = out.numpy().data, _s3(self.spec).bucket
 
-        def one(start: int) -> None:
-            end = min(start + span, self.size)
-            resp = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
-            view[start:end] = resp["Body"].read()
+        def one(task: tuple[str, int, int, int]) -> None:
+            key, base, a, b = task
+            whole = a == 0 and b >= min(objects, self.size - base)
+            extra = {} if whole else {"Range": f"bytes={a}-{b - 1}"}
+            resp = self.client.get_object(Bucket=bucket, Key=key, **extra)
+            view[base + a : base + b] = resp["Body"].read()
 
+        tasks = [
+            (self.key(f"layout-{objects}/{n:05d}"), start, a, b)
+            for n, (start, end) in enumerate(_cuts(self.size, objects))
+            for a, b in _cuts(end - start, span)
+        ]
         with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(one, range(0, self.size, span)))
+            list(pool.map(one, tasks))
         return out
 
     def run(self, i: int, state: Any) -> tuple[Any, dict[str, float]]:

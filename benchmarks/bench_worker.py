@@ -66,7 +66,6 @@ def measure(spec: Spec) -> dict[str, Any]:
 def main(spec_path: str, result_path: str) -> int:
     raw = json.loads(Path(spec_path).read_text())
     raw["s3"] = S3Target(**raw["s3"]) if raw.get("s3") else None
-    raw["transfer"] = tuple(raw["transfer"]) if raw.get("transfer") else None
     spec = Spec(**raw)
     try:
         result: dict[str, Any] = {"ok": True, **measure(spec)}
