@@ -251,6 +251,9 @@ def test_capabilities(backend: Backend, backend_uri: tuple[str, dict[str, Any]])
         "memory": Capabilities(atomic_create=False, atomic_swap=False, server_side_copy=True),
         # moto enforces If-None-Match and If-Match on PutObject; it echoes the CRC32C it is
         # sent without checking it, so the probe finds that the server does not verify them
-        "s3": Capabilities(atomic_create=True, atomic_swap=True, server_side_copy=True),
+        # and a save writes max_concurrency (8 by default) files at once, one PUT each
+        "s3": Capabilities(
+            atomic_create=True, atomic_swap=True, server_side_copy=True, parallel_writes=8
+        ),
     }
     assert backend.capabilities == expected[kind_of(backend_uri[0])]

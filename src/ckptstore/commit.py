@@ -102,14 +102,12 @@ class Committer:
         backend: Backend,
         *,
         writer: str,
-        parallel_files: int = 4,
         clock: Callable[[], float] = time.time,
         signer: Signer | None = None,
     ) -> None:
         self.backend = backend
         self.signer = signer
         self.writer = writer
-        self.parallel_files = parallel_files
         self.clock = clock
 
     def uri(self, path: str) -> str:
@@ -210,7 +208,7 @@ class Committer:
             size = self.backend.write(path, _reporting(chunks, progress) if progress else chunks)
             return FileEntry(source.path, size, crc.hexdigest())
 
-        workers = max(1, min(self.parallel_files, len(sources)))
+        workers = max(1, min(self.backend.capabilities.parallel_writes, len(sources)))
         with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-write") as pool:
             return list(pool.map(write_one, sources))
 

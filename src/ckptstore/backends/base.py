@@ -40,6 +40,9 @@ class Capabilities:
     """The server verifies a checksum of every uploaded part before accepting it."""
     server_side_copy: bool = False
     """``copy`` runs without moving the bytes through this process."""
+    parallel_writes: int = 4
+    """How many files a save writes at once. Local disks gain little past a few writers; an S3
+    backend says ``max_concurrency``, since a file that fits one PutObject is one request."""
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """Amazon S3 and S3-compatible servers (MinIO, Ceph RGW, R2, moto), through boto3.
 
-Large objects go up as multipart uploads with a bounded number of parts in flight: a save's
-memory is about ``part_size x (max_concurrency + 1)`` whatever the object's size, and parallel
-parts are what make S3 fast (one stream per connection is slow). Each part carries a CRC32C,
+Large objects go up as multipart uploads, small ones in one PutObject, with at most
+``max_concurrency`` parts or PUTs in flight across all the files of a save: parallel requests are
+what make S3 fast (one stream per connection is slow), and the bound keeps a save's memory near
+``part_size x max_concurrency`` (at most twice that while several large files are being cut into
+parts at once) whatever the objects' sizes. Each part carries a CRC32C,
 which the server checks before it accepts the part where it can (the probe below asks). An
 upload either completes into a whole object or is aborted (on any exception, Ctrl-C included),
 because S3 never shows a partial object but bills and keeps the parts of an unfinished upload
@@ -113,8 +115,8 @@ class S3Backend:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._part_slots = threading.BoundedSemaphore(self._opts.max_concurrency)
-        """Parts in flight across all concurrent uploads: memory stays near
-        ``part_size x max_concurrency`` however many files a save writes at once."""
+        """Parts and single PUTs in flight across all concurrent uploads: requests stay within
+        ``max_concurrency`` however many files a save writes at once."""
 
     def _build_client(self) -> Any:
         """boto3 resolves whatever we do not pass (env vars, profiles, roles) as usual."""
@@ -240,7 +242,7 @@ class S3Backend:
                 break
         else:
             body = head[0] if len(head) == 1 else b"".join(head)
-            with self._translated(key, "write"):
+            with self._translated(key, "write"), self._part_slots:  # a PUT is a part in flight
                 self._put(key, body)
             return size
         return self._write_multipart(key, itertools.chain(_drain(head), parts))
@@ -637,6 +639,7 @@ class S3Backend:
             atomic_swap=result.atomic_swap,
             server_checksums=self._opts.checksums and result.server_checksums,
             server_side_copy=True,
+            parallel_writes=self._opts.max_concurrency,
         )
 
     def _create_fallback(self, key: str, data: bytes) -> None:
