@@ -39,6 +39,7 @@ from ckptstore.errors import (
 from ckptstore.info import CheckpointInfo, GcReport, SaveStats, VerifyReport
 from ckptstore.lease import WriterLease
 from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry, Manifest
+from ckptstore.metrics import SaveObserver
 from ckptstore.retention import RetentionPolicy
 from ckptstore.signing import Signer
 from ckptstore.transfer import download_dir, scan_dir
@@ -71,6 +72,7 @@ class CheckpointStore:
         signing_key: bytes | str | None = None,
         backend: Backend | None = None,
         clock: Callable[[], float] = time.time,
+        observer: SaveObserver | None = None,
     ) -> None:
         self.retention = RetentionPolicy(keep_last, keep_every)
         self.compat = check_mode(compat)
@@ -80,6 +82,7 @@ class CheckpointStore:
         self.backend = backend if backend is not None else open_backend(uri, storage_options)
         self.uri = self.backend.uri
         self.clock = clock
+        self.observer = observer
         self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         key = key_bytes(signing_key) if signing_key is not None else signing_key_from_env()
         self.signer = Signer(key) if key is not None else None
@@ -216,15 +219,20 @@ class CheckpointStore:
         blocked: float = 0.0,
     ) -> CheckpointInfo:
         started = time.perf_counter()
-        self.hold_lease()  # fail before uploading anything if another writer holds the store
         try:
-            entries = self.stage_files(step, files, kind=kind, progress=progress)
-        except BaseException:
-            self.discard(step)
+            self.hold_lease()  # fail before uploading anything if another writer holds the store
+            try:
+                entries = self.stage_files(step, files, kind=kind, progress=progress)
+            except BaseException:
+                self.discard(step)
+                raise
+            return self.commit_files(
+                step, entries, kind=kind, metadata=metadata, _timing=(started, blocked)
+            )
+        except BaseException as e:
+            error = e  # bound for the lambda: ruff cannot see that it runs inside this block
+            self._observe(lambda o: o.failed(self.uri, step, error))
             raise
-        return self.commit_files(
-            step, entries, kind=kind, metadata=metadata, _timing=(started, blocked)
-        )
 
     # -- staging: write from many processes, commit from one -------------------------------
 
@@ -289,8 +297,18 @@ class CheckpointStore:
         self._committer.advance_latest(step, epoch=epoch)
         stats = SaveStats.of(manifest, time.perf_counter() - started, blocked)
         log.info("%s: %s", self.uri, stats)
+        self._observe(lambda o: o.saved(self.uri, stats))
         self._retain_after_save()
         return self._info(manifest, stats)
+
+    def _observe(self, tell: Callable[[SaveObserver], None]) -> None:
+        """Tell the observer; its own failure is logged, never raised into the save."""
+        if self.observer is None:
+            return
+        try:
+            tell(self.observer)
+        except Exception as e:
+            log.warning("%s: the save observer raised %r; ignored", self.uri, e)
 
     def discard(self, step: int) -> None:
         """Remove the staged files of an uncommitted ``step`` (never a committed one)."""

@@ -1,0 +1,110 @@
+"""Save figures as Prometheus metrics, for dashboards and alerts on a training fleet.
+
+``CheckpointStore(uri, observer=PrometheusMetrics())`` counts every save and failure and
+records its bytes, wall time and the time the trainer was blocked, labelled with the store's
+URI (which never holds credentials). ``ckptstore_last_commit_timestamp_seconds`` is the one to
+alert on: a job whose checkpoints stopped landing shows a growing ``time() - ...``. Serving the
+registry (``prometheus_client.start_http_server``) is left to the training job, which usually
+has an exporter already. Needs ``pip install ckptstore[metrics]``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from ckptstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from ckptstore.info import SaveStats
+
+_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class SaveObserver(Protocol):
+    """Told about every save a store makes (``save``, ``save_async``, ``push_dir``).
+
+    Called in the saving thread (the background one for async saves); an exception raised
+    here is logged and never fails the save.
+    """
+
+    def saved(self, uri: str, stats: SaveStats) -> None:
+        """A step was committed and ``latest`` moved."""
+
+    def failed(self, uri: str, step: int, error: BaseException) -> None:
+        """A save raised ``error``; nothing of ``step`` was committed."""
+
+
+class PrometheusMetrics:
+    """A :class:`SaveObserver` that records into a Prometheus registry.
+
+    Create one per process and pass it to every store: the metric names can be registered only
+    once per registry (``registry`` defaults to prometheus_client's global one).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        try:
+            from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+        except ImportError as e:
+            raise ConfigError(
+                "Prometheus metrics need the prometheus_client package: "
+                "pip install 'ckptstore[metrics]'"
+            ) from e
+        reg = registry if registry is not None else REGISTRY
+        label = ["store"]
+        self.saves = Counter("ckptstore_saves", "Steps committed", label, registry=reg)
+        self.failures = Counter(
+            "ckptstore_save_failures", "Saves that raised; nothing committed", label, registry=reg
+        )
+        self.bytes = Counter(
+            "ckptstore_save_bytes", "Bytes of committed steps", label, registry=reg
+        )
+        self.uploaded = Counter(
+            "ckptstore_save_uploaded_bytes",
+            "Bytes uploaded (not copied from the previous step)",
+            label,
+            registry=reg,
+        )
+        self.seconds = Histogram(
+            "ckptstore_save_seconds",
+            "Wall time of a save, first byte to latest moved",
+            label,
+            buckets=_SECONDS_BUCKETS,
+            registry=reg,
+        )
+        self.blocked = Histogram(
+            "ckptstore_save_blocked_seconds",
+            "Time the trainer was blocked by a save (the snapshot of an async save)",
+            label,
+            buckets=_SECONDS_BUCKETS,
+            registry=reg,
+        )
+        self.last_step = Gauge(
+            "ckptstore_last_committed_step", "Step of the last commit", label, registry=reg
+        )
+        self.last_commit = Gauge(
+            "ckptstore_last_commit_timestamp_seconds",
+            "Unix time of the last commit",
+            label,
+            registry=reg,
+        )
+
+    def _known(self, uri: str) -> None:
+        """Counters of a store start at 0, so ``rate()`` and alerts see the first failure."""
+        for counter in (self.saves, self.failures, self.bytes, self.uploaded):
+            counter.labels(uri)
+
+    def saved(self, uri: str, stats: SaveStats) -> None:
+        self._known(uri)
+        self.saves.labels(uri).inc()
+        self.bytes.labels(uri).inc(stats.bytes_total)
+        self.uploaded.labels(uri).inc(stats.bytes_uploaded)
+        self.seconds.labels(uri).observe(stats.seconds)
+        self.blocked.labels(uri).observe(stats.blocked_seconds)
+        self.last_step.labels(uri).set(stats.step)
+        self.last_commit.labels(uri).set_to_current_time()
+
+    def failed(self, uri: str, step: int, error: BaseException) -> None:
+        self._known(uri)
+        self.failures.labels(uri).inc()
