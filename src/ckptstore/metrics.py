@@ -33,7 +33,7 @@ class SaveObserver(Protocol):
         """A step was committed and ``latest`` moved."""
 
     def failed(self, uri: str, step: int, error: BaseException) -> None:
-        """A save raised ``error``; nothing of ``step`` was committed."""
+        """A save of ``step`` raised ``error`` instead of returning."""
 
 
 class PrometheusMetrics:
@@ -55,7 +55,7 @@ class PrometheusMetrics:
         label = ["store"]
         self.saves = Counter("ckptstore_saves", "Steps committed", label, registry=reg)
         self.failures = Counter(
-            "ckptstore_save_failures", "Saves that raised; nothing committed", label, registry=reg
+            "ckptstore_save_failures", "Saves that raised instead of returning", label, registry=reg
         )
         self.bytes = Counter(
             "ckptstore_save_bytes", "Bytes of committed steps", label, registry=reg
