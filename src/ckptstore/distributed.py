@@ -359,13 +359,13 @@ def _read_rank(store: CheckpointStore, info: CheckpointInfo, rank: int, allow_pi
     prefix = rank_dir(rank) + "/"
     mine = [f.path for f in info.files if f.path.startswith(prefix)]
 
-    def read(path: str) -> bytearray:
+    def read(path: str) -> memoryview:
         return store.read_file(info, path)
 
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-read") as pool:
         data = dict(zip(mine, pool.map(read, mine), strict=True))
 
-    def get(path: str) -> bytearray:
+    def get(path: str) -> memoryview:
         try:
             return data[prefix + path]
         except KeyError as e:

@@ -287,7 +287,7 @@ def _group_name(key: object) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:64].lstrip(".") or DEFAULT_GROUP
 
 
-def decode_shard(data: bytearray, where: str) -> dict[str, torch.Tensor]:
+def decode_shard(data: bytearray | memoryview, where: str) -> dict[str, torch.Tensor]:
     """Tensors of one safetensors file, as views of ``data`` (no copy)."""
     try:
         (header_len,) = struct.unpack_from("<Q", data, 0)
@@ -316,7 +316,7 @@ def decode_shard(data: bytearray, where: str) -> dict[str, torch.Tensor]:
 
 
 def decode_state(
-    read: Callable[[str], bytearray], *, where: str, allow_pickle: bool = False
+    read: Callable[[str], bytearray | memoryview], *, where: str, allow_pickle: bool = False
 ) -> Any:
     """Rebuild a state; ``read(path)`` returns a verified file of the step."""
     try:

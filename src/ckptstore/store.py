@@ -464,7 +464,7 @@ class CheckpointStore:
         self.last_loaded = info
         return state
 
-    def read_file(self, info: CheckpointInfo, path: str) -> bytearray:
+    def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
         """One payload file of a committed step, size and CRC32C verified against its manifest,
         so each rank of a multi-rank load reads only its own files (distributed.py, DCP)."""
         try:
@@ -473,8 +473,8 @@ class CheckpointStore:
             raise NotFoundError(f"{info.uri} has no file {path!r} in its manifest") from e
         return self._committer.read_verified(info.step, entry)
 
-    def _read_all(self, info: CheckpointInfo) -> dict[str, bytearray]:
-        def read(entry: FileEntry) -> bytearray:
+    def _read_all(self, info: CheckpointInfo) -> dict[str, memoryview]:
+        def read(entry: FileEntry) -> memoryview:
             return self._committer.read_verified(info.step, entry)
 
         with ThreadPoolExecutor(8, thread_name_prefix="ckpt-read") as pool:
@@ -492,7 +492,7 @@ class CheckpointStore:
         target = Path(local_dir)
 
         def pull(info: CheckpointInfo) -> None:
-            def read(entry: FileEntry) -> bytearray:
+            def read(entry: FileEntry) -> memoryview:
                 data = self._committer.read_verified(info.step, entry)
                 if progress:
                     progress(entry.size)

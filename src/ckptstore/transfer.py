@@ -47,7 +47,7 @@ def scan_dir(root: Path) -> list[tuple[str, Path]]:
 
 
 def download_dir(
-    entries: Iterable[FileEntry], target: Path, read: Callable[[FileEntry], bytes | bytearray]
+    entries: Iterable[FileEntry], target: Path, read: Callable[[FileEntry], memoryview]
 ) -> None:
     """Write each entry under ``target``; ``read`` returns its verified bytes."""
     base = target.resolve()

@@ -299,13 +299,13 @@ class CkptStoreReader(StorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _resolve(self) -> tuple[CheckpointInfo, bytearray]:
+    def _resolve(self) -> tuple[CheckpointInfo, bytes]:
         """The step to load and its verified ``.metadata``, the same on every rank."""
         if self.step is not None:
             info = self.store.info(self.step)
             return info, _read_metadata_file(self.store, info)
         comm = Collectives(self.group)
-        chosen: tuple[CheckpointInfo, bytearray] | CheckpointError | None = None
+        chosen: tuple[CheckpointInfo, bytes] | CheckpointError | None = None
         if comm.rank == 0:
             try:
                 chosen = _pick_latest(self.store)
@@ -375,7 +375,7 @@ class CkptStoreReader(StorageReader):
         planner.commit_tensor(item, target)
 
 
-def _pick_latest(store: CheckpointStore) -> tuple[CheckpointInfo, bytearray]:
+def _pick_latest(store: CheckpointStore) -> tuple[CheckpointInfo, bytes]:
     """Latest, or the newest older step whose manifest and ``.metadata`` verify."""
     latest = store.latest()
     if latest is None:
@@ -399,13 +399,15 @@ def _pick_latest(store: CheckpointStore) -> tuple[CheckpointInfo, bytearray]:
     )
 
 
-def _read_metadata_file(store: CheckpointStore, info: CheckpointInfo) -> bytearray:
+def _read_metadata_file(store: CheckpointStore, info: CheckpointInfo) -> bytes:
+    """Plain bytes (the file is small): rank 0 broadcasts them, and a memoryview cannot be
+    pickled."""
     if METADATA_FILE not in {f.path for f in info.files}:
         raise ConfigError(
             f"{info.uri} has no DCP {METADATA_FILE}: it was not saved with CkptStoreWriter "
             "(load it with store.load() or ckptstore.distributed.load_distributed)"
         )
-    return store.read_file(info, METADATA_FILE)
+    return bytes(store.read_file(info, METADATA_FILE))
 
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -444,7 +446,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
 
 
-def _load_metadata(data: bytearray, where: str, allow_pickle: bool) -> Metadata:
+def _load_metadata(data: bytes, where: str, allow_pickle: bool) -> Metadata:
     try:
         if allow_pickle:
             metadata = pickle.loads(data)
