@@ -37,7 +37,7 @@ def _cuts(total: int, size: int) -> list[tuple[int, int]]:
 
 def _label(config: Config) -> str:
     files, threads = config
-    return "1 file, 1 write" if files >= WHOLE else f"{files // MiB} MiB files x {threads} threads"
+    return "1 file, 1 call" if files >= WHOLE else f"{files // MiB} MiB files x {threads} threads"
 
 
 def _sweep(timed: Callable[[Config], float]) -> tuple[Config, dict[str, float]]:

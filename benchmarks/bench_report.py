@@ -51,7 +51,7 @@ def _notes(r: Result) -> str:
         parts.append(f"uploaded {statistics.median(extras['uploaded']):.1%} of bytes")
     if "best" in notes:
         parts.append(f"best of sweep: {notes['best']}")
-    single = notes.get("sweep", {}).get("1 file, 1 write")
+    single = notes.get("sweep", {}).get("1 file, 1 call")
     if single:
         verb = "write" if r["kind"] == "save" else "read"
         parts.append(f"1 file, 1 {verb}: {r['state_bytes'] / 1e6 / single:.0f} MB/s")

@@ -247,7 +247,9 @@ def test_delete_is_idempotent(backend: Backend) -> None:
 
 def test_capabilities(backend: Backend, backend_uri: tuple[str, dict[str, Any]]) -> None:
     expected = {
-        "local": Capabilities(atomic_create=True, atomic_swap=True, server_side_copy=True),
+        "local": Capabilities(
+            atomic_create=True, atomic_swap=True, server_side_copy=True, parallel_writes=8
+        ),
         "memory": Capabilities(atomic_create=False, atomic_swap=False, server_side_copy=True),
         # moto enforces If-None-Match and If-Match on PutObject; it echoes the CRC32C it is
         # sent without checking it, so the probe finds that the server does not verify them

@@ -41,8 +41,8 @@ class Capabilities:
     server_side_copy: bool = False
     """``copy`` runs without moving the bytes through this process."""
     parallel_writes: int = 4
-    """How many files a save writes at once. Local disks gain little past a few writers; an S3
-    backend says ``max_concurrency``, since a file that fits one PutObject is one request."""
+    """How many files a save writes at once: 8 on local disks (several fsyncing writers keep a
+    disk busier than one), ``max_concurrency`` on S3 (a file that fits one PUT is one request)."""
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,11 @@ class LocalBackend:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(atomic_create=True, atomic_swap=True, server_side_copy=True)
+        # parallel_writes: on the benchmark's disk, 8 fsyncing writers wrote 1 GiB in 32 MiB
+        # files 12% faster than 4 did (the sweep in benchmarks/bench_local_limits.py)
+        return Capabilities(
+            atomic_create=True, atomic_swap=True, server_side_copy=True, parallel_writes=8
+        )
 
     def _path(self, path: str) -> Path:
         return self.root / path if path else self.root
