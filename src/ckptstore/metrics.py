@@ -10,7 +10,7 @@ has an exporter already. Needs ``pip install ckptstore[metrics]``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptstore.errors import ConfigError
 
@@ -51,43 +51,33 @@ class PrometheusMetrics:
                 "Prometheus metrics need the prometheus_client package: "
                 "pip install 'ckptstore[metrics]'"
             ) from e
-        reg = registry if registry is not None else REGISTRY
-        label = ["store"]
-        self.saves = Counter("ckptstore_saves", "Steps committed", label, registry=reg)
+        # every metric is labelled by store and lives in the same registry
+        common: dict[str, Any] = {
+            "labelnames": ["store"],
+            "registry": registry if registry is not None else REGISTRY,
+        }
+        timing = {**common, "buckets": _SECONDS_BUCKETS}
+        self.saves = Counter("ckptstore_saves", "Steps committed", **common)
         self.failures = Counter(
-            "ckptstore_save_failures", "Saves that raised instead of returning", label, registry=reg
+            "ckptstore_save_failures", "Saves that raised instead of returning", **common
         )
-        self.bytes = Counter(
-            "ckptstore_save_bytes", "Bytes of committed steps", label, registry=reg
-        )
+        self.bytes = Counter("ckptstore_save_bytes", "Bytes of committed steps", **common)
         self.uploaded = Counter(
             "ckptstore_save_uploaded_bytes",
             "Bytes uploaded (not copied from the previous step)",
-            label,
-            registry=reg,
+            **common,
         )
         self.seconds = Histogram(
-            "ckptstore_save_seconds",
-            "Wall time of a save, first byte to latest moved",
-            label,
-            buckets=_SECONDS_BUCKETS,
-            registry=reg,
+            "ckptstore_save_seconds", "Wall time of a save, first byte to latest moved", **timing
         )
         self.blocked = Histogram(
             "ckptstore_save_blocked_seconds",
             "Time the trainer was blocked by a save (the snapshot of an async save)",
-            label,
-            buckets=_SECONDS_BUCKETS,
-            registry=reg,
+            **timing,
         )
-        self.last_step = Gauge(
-            "ckptstore_last_committed_step", "Step of the last commit", label, registry=reg
-        )
+        self.last_step = Gauge("ckptstore_last_committed_step", "Step of the last commit", **common)
         self.last_commit = Gauge(
-            "ckptstore_last_commit_timestamp_seconds",
-            "Unix time of the last commit",
-            label,
-            registry=reg,
+            "ckptstore_last_commit_timestamp_seconds", "Unix time of the last commit", **common
         )
 
     def _known(self, uri: str) -> None:
