@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.layout import payload_path
 from faults import FaultyBackend, InjectedFault
+from keys import file_key
 
 
 def model_state(seed: int, size: int = 256) -> dict[str, Any]:
@@ -124,6 +124,6 @@ def test_a_changed_file_of_equal_size_is_uploaded(store: CheckpointStore) -> Non
         "ref-00000.safetensors": None,
         "state.json": 1,
     }
-    assert store.backend.read(payload_path(2, "ref-00000.safetensors")) != store.backend.read(
-        payload_path(1, "ref-00000.safetensors")
+    assert store.backend.read(file_key(store, 2, "ref-00000.safetensors")) != (
+        store.backend.read(file_key(store, 1, "ref-00000.safetensors"))
     )

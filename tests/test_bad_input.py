@@ -30,7 +30,8 @@ from ckptstore.errors import (
     NotFoundError,
     SerializationError,
 )
-from ckptstore.layout import manifest_path, payload_path
+from ckptstore.layout import manifest_path
+from keys import file_key
 
 
 def state_for(step: int) -> dict[str, Any]:
@@ -68,7 +69,7 @@ class Case:
 
 
 def _flip(store: CheckpointStore, step: int) -> None:
-    path = payload_path(step, "w-00000.safetensors")
+    path = file_key(store, step, "w-00000.safetensors")
     data = bytearray(store.backend.read(path))
     data[-1] ^= 0xFF
     store.backend.write(path, [bytes(data)])

@@ -215,7 +215,7 @@ def test_show_missing_step_exits_3_with_one_line(store: str) -> None:
 
 def test_verify_ok_then_corrupt_byte_exits_4_and_names_file(store: str) -> None:
     assert ok("verify", store) == "step 30: OK\n"
-    shard = next(Path(store, "global_step_20").glob("*.safetensors"))
+    shard = next(Path(store, "global_step_20").rglob("*.safetensors"))
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 0x01
     shard.write_bytes(raw)
@@ -273,17 +273,22 @@ def test_verbose_error_shows_traceback(store: str) -> None:
 
 
 def test_gc_removes_only_old_uncommitted_files(store: str) -> None:
-    stray = Path(store, "global_step_40")
-    stray.mkdir()
-    (stray / "half-written.bin").write_bytes(b"x" * 100)
+    attempt = Path(store, "global_step_40", ".attempt-0123456789abcdef")  # a crashed save's
+    attempt.mkdir(parents=True)
+    (attempt / ".ckptstore-attempt.json").write_text('{"lease_epoch": 0}')
+    (attempt / "half-written.bin").write_bytes(b"x" * 100)
+    foreign = Path(store, "global_step_40", "synced-by-hand.bin")
+    foreign.write_bytes(b"y")
+    half = "global_step_40/.attempt-0123456789abcdef/half-written.bin"
 
     assert data("gc", store, "--dry-run")["deleted"] == []  # younger than the 1 h grace
     doc = data("gc", store, "--dry-run", "--older-than", "0")
-    assert doc["deleted"] == ["global_step_40/half-written.bin"] and doc["dry_run"] is True
-    assert (stray / "half-written.bin").exists()
+    assert half in doc["deleted"] and doc["dry_run"] is True
+    assert (attempt / "half-written.bin").exists()
 
-    assert "removed 1 objects" in ok("gc", store, "--older-than", "0")
-    assert not (stray / "half-written.bin").exists()
+    assert "removed 2 objects" in ok("gc", store, "--older-than", "0")
+    assert not (attempt / "half-written.bin").exists()
+    assert foreign.exists()  # not ckptstore's: reported, never deleted
     assert committed(store) == [10, 20, 30]
 
 

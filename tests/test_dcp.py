@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptstore import CheckpointStore, ConfigError
 from ckptstore.integrations.dcp import METADATA_FILE, CkptStoreReader, CkptStoreWriter
-from ckptstore.layout import payload_path, step_dir
+from ckptstore.layout import step_dir
 from ranks import run_ranks
 
 MiB = 1 << 20
@@ -180,7 +180,7 @@ def test_a_corrupt_latest_falls_back_to_the_previous_step(
                 {"t": torch.full((4,), float(step))}, storage_writer=CkptStoreWriter(store, step)
             )
         entry = store.info(2).manifest.file(METADATA_FILE)
-        store.backend.write(payload_path(2, METADATA_FILE), [b"\0" * entry.size])
+        store.backend.write(entry.key(2), [b"\0" * entry.size])
         state = {"t": torch.zeros(4)}
         reader = CkptStoreReader(store)
         with caplog.at_level(logging.WARNING, logger="ckptstore"):
@@ -196,7 +196,7 @@ def test_a_corrupt_data_file_is_caught_on_read(tmp_path: Path) -> None:
     with CheckpointStore(str(tmp_path)) as store:
         dcp.save({"t": torch.ones(4)}, storage_writer=CkptStoreWriter(store, 1))
         entry = store.info(1).manifest.file("__0_0.distcp")
-        store.backend.write(payload_path(1, entry.path), [b"\1" * entry.size])
+        store.backend.write(entry.key(1), [b"\1" * entry.size])
         with pytest.raises(CheckpointException, match=r"__0_0.distcp: checksum mismatch"):
             dcp.load({"t": torch.zeros(4)}, storage_reader=CkptStoreReader(store, 1))
 

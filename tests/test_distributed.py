@@ -22,7 +22,7 @@ from ckptstore.distributed import (
     rank_dir,
     save_distributed,
 )
-from ckptstore.layout import LEASE_NAME, payload_path, step_dir
+from ckptstore.layout import LEASE_NAME, step_dir
 from ranks import Records, run_ranks
 
 MiB = 1 << 20
@@ -123,7 +123,7 @@ def _save_load_corrupt(rank: int, world: int, uri: str, options: dict) -> dict[s
     torch.distributed.barrier()
     if rank == 0:  # same size, other bytes: only rank world-1 reads this file
         entry = info.manifest.file(f"{rank_dir(world - 1)}/model-00000.safetensors")
-        store.backend.write(payload_path(20, entry.path), [b"\0" * entry.size])
+        store.backend.write(entry.key(20), [b"\0" * entry.size])
     torch.distributed.barrier()
     fell_back = load_distributed(store)
     fell_back_step = store.last_loaded.step  # type: ignore[union-attr]

@@ -130,7 +130,7 @@ def test_credentials_expiring_mid_save(s3_uri: str, s3_options: dict[str, Any]) 
     assert store.verify(1).ok
 
 
-def test_unknown_files_inside_a_step_are_ignored_then_collected(
+def test_unknown_files_inside_a_step_are_ignored_and_never_deleted(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
     store.save(1, {"w": torch.ones(3)})
@@ -138,8 +138,9 @@ def test_unknown_files_inside_a_step_are_ignored_then_collected(
     assert torch.equal(store.load(1)["w"], torch.ones(3))
     store.pull_dir(tmp_path / "out", 1)
     assert not (tmp_path / "out" / "planted.pt").exists()
-    assert payload_path(1, "planted.pt") in store.gc(older_than=0).deleted
-    assert store.verify(1).ok
+    report = store.gc(older_than=0)
+    assert payload_path(1, "planted.pt") in report.foreign  # not ckptstore's: reported only
+    assert report.deleted == () and store.verify(1).ok
 
 
 def test_unicode_and_very_long_paths_round_trip(store: CheckpointStore, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     PreconditionFailedError,
 )
-from ckptstore.layout import LATEST_NAME, payload_path
+from ckptstore.layout import LATEST_NAME
 from ckptstore.testing.faultproxy import QUIRKS, FaultProxy
 
 MiB = 1 << 20
@@ -285,7 +285,7 @@ def test_no_checksums_is_detected_and_loads_still_verify(
         store = exercise(s3_uri, options(proxy))
     assert not store.backend.capabilities.server_checksums
     assert caplog.text.count("does not verify the CRC32C") == 2  # the store's and the rival's
-    key = f"run/{payload_path(3, 'w-00000.safetensors')}"
+    key = f"run/{store.info(3).manifest.file('w-00000.safetensors').key(3)}"
     assert key in keys(s3_client, s3_bucket, "run/global_step_3/")
     data = bytearray(s3_client.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
     data[len(data) // 2] ^= 1

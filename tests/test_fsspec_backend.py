@@ -1,10 +1,10 @@
-"""What only the fsspec backend does; the shared contract runs in test_backend_contract.py."""
+"""What only the fsspec backend does; the shared contract (create and swap atomic between
+threads included) runs in test_backend_contract.py."""
 
 from __future__ import annotations
 
 import gc
 import importlib.util
-import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -16,7 +16,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from ckptstore.backends.fsspec import TMP_PREFIX, FsspecBackend
 from ckptstore.backends.registry import open_backend
-from ckptstore.errors import ConfigError, ObjectExistsError
+from ckptstore.errors import ConfigError
 
 
 @pytest.fixture
@@ -37,28 +37,6 @@ def test_first_create_or_swap_warns_once(backend: FsspecBackend) -> None:
     message = str(caught[0].message)
     assert backend.uri in message
     assert "this process only" in message
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_create_is_atomic_between_threads(backend: FsspecBackend) -> None:
-    winners: list[int] = []
-    barrier = threading.Barrier(8)
-
-    def racer(i: int) -> None:
-        barrier.wait()
-        try:
-            backend.create("manifest.json", str(i).encode())
-            winners.append(i)
-        except ObjectExistsError:
-            pass
-
-    threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(winners) == 1
-    assert backend.read("manifest.json") == str(winners[0]).encode()
 
 
 def test_nothing_is_visible_while_a_write_streams(backend: FsspecBackend) -> None:

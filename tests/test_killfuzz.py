@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptstore import CheckpointStore
-from ckptstore.layout import manifest_path, payload_path
+from ckptstore.layout import manifest_path
 from ckptstore.testing import killfuzz
 from ckptstore.testing.killcheck import Findings, LocalView, check
 from ckptstore.testing.killsaver import make_state
@@ -88,7 +88,7 @@ def test_the_checker_finds_a_lost_step(tmp_path: Path) -> None:
 
 def test_the_checker_finds_corruption_and_a_latest_that_went_back(tmp_path: Path) -> None:
     store = saved(tmp_path, [1, 2])
-    path = payload_path(2, "varying-00000.safetensors")
+    path = store.info(2).manifest.file("varying-00000.safetensors").key(2)
     data = bytearray(store.backend.read(path))
     data[100] ^= 1
     store.backend.write(path, [bytes(data)])
@@ -101,14 +101,16 @@ def test_the_checker_finds_strays_gc_leaves(tmp_path: Path) -> None:
     store = saved(tmp_path, [1, 2])
     (tmp_path / ".ckptstore").mkdir()
     (tmp_path / ".ckptstore" / "junk").write_bytes(b"x")  # gc does not own this path
-    (tmp_path / "global_step_9").mkdir()
-    (tmp_path / "global_step_9" / "orphan").write_bytes(b"x")  # gc removes this one
-    os.utime(tmp_path / "global_step_9" / "orphan", (0, 0))
+    attempt = tmp_path / "global_step_9" / ".attempt-0123456789abcdef"
+    attempt.mkdir(parents=True)
+    for name in (".ckptstore-attempt.json", "orphan"):  # a killed save's: gc removes it
+        (attempt / name).write_bytes(b"{}")
+        os.utime(attempt / name, (0, 0))
     (tmp_path / "global_step_7").mkdir()  # a writer killed between mkdir and its first file
     os.utime(tmp_path / "global_step_7", (0, 0))
     found = run_check(store, tmp_path, [1, 2])
     assert found.strays == ["stray file .ckptstore/junk"]
-    assert not (tmp_path / "global_step_9").exists()
+    assert not attempt.exists()  # only gc's tombstone is left, for a day
     assert not (tmp_path / "global_step_7").exists()
 
 

@@ -49,7 +49,7 @@ def test_round_trip_is_exact() -> None:
         (b"{not json", CorruptCheckpointError, "not valid JSON"),
         (manifest().encode()[:40], CorruptCheckpointError, "corrupt or truncated"),
         (b"[]", CorruptCheckpointError, "not a JSON object"),
-        (encoded(schema_version=2), CompatibilityError, "newer than this ckptstore reads"),
+        (encoded(schema_version=3), CompatibilityError, "newer than this ckptstore reads"),
         (encoded(schema_version="1"), CorruptCheckpointError, "expected 1"),
         (encoded(surprise=1), CorruptCheckpointError, "unknown fields \\['surprise'\\]"),
         (encoded(step=-3), CorruptCheckpointError, "non-negative integer"),

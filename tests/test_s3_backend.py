@@ -17,9 +17,12 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
+from ckptstore import layout
 from ckptstore.backends import s3 as s3mod
+from ckptstore.backends import s3_transfer
 from ckptstore.backends.registry import open_backend
 from ckptstore.backends.s3 import S3Backend
+from ckptstore.backends.s3_options import S3Options
 from ckptstore.checksum import crc32c_base64
 from ckptstore.errors import (
     AccessDeniedError,
@@ -166,6 +169,14 @@ def test_accepted_option_spellings(s3_endpoint: str) -> None:
     assert b._client.meta.region_name == "eu-west-1"
     assert b._client.meta.endpoint_url == s3_endpoint
     b.close()
+
+
+def test_defaults_follow_the_checkpoint_layer_without_importing_it() -> None:
+    """Parts as large as a default shard (one PUT per shard); the same CRC32C as loads check."""
+    assert S3Options().part_size == layout.DEFAULT_SHARD_SIZE
+    assert S3Options().multipart_threshold == layout.DEFAULT_SHARD_SIZE
+    for data in (b"", b"x", bytes(range(256)) * 99):
+        assert s3_transfer.crc32c_base64(data) == crc32c_base64(data)
 
 
 def test_environment_is_left_to_boto3(
@@ -365,7 +376,7 @@ def test_failed_part_aborts_the_upload(
 def test_too_many_parts_is_a_clear_error(
     backend: S3Backend, s3_client: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(s3mod, "MAX_PARTS", 2)
+    monkeypatch.setattr(s3_transfer, "MAX_PARTS", 2)
     with pytest.raises(ConfigError, match="raise the storage option part_size"):
         backend.write("huge", [os.urandom(11 * MiB)])
     assert uploads(s3_client, s3_bucket) == []

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, ConflictError, NotFoundError
+from ckptstore.commit import Committer, SourceFile
 from ckptstore.errors import CompatibilityError, ConfigError
-from ckptstore.layout import LATEST_NAME, payload_path, pin_path, step_dir
+from ckptstore.layout import LATEST_NAME, manifest_path, payload_path, pin_path, step_dir
+from keys import file_key
 
 
 def state_for(step: int) -> dict[str, Any]:
@@ -139,7 +141,7 @@ def test_delete_protects_latest_and_pins_unless_forced(store: CheckpointStore) -
     assert [i.step for i in store.list()] == [1, 3]
     store.delete(3, force=True)  # latest goes back to the newest step left
     assert store.latest().step == 1  # type: ignore[union-attr]
-    assert store._committer.read_pointer()[0].step == 1  # type: ignore[union-attr]
+    assert store._catalog.read_pointer()[0].step == 1  # type: ignore[union-attr]
     store.delete(1, force=True)
     assert store.backend.stat(pin_path(1)) is None
     assert store.backend.stat(LATEST_NAME) is None and store.latest() is None
@@ -149,27 +151,31 @@ def test_delete_protects_latest_and_pins_unless_forced(store: CheckpointStore) -
 
 def test_gc_removes_garbage_only_once_it_is_old(store: CheckpointStore) -> None:
     store.save(1, state_for(1))
-    store.backend.write(payload_path(1, "leftover.bin"), [b"x"])  # not in the manifest
-    store.backend.write(payload_path(2, "state.json"), [b"{}"])  # never committed
+    committer = Committer(store.backend, writer="crashed", clock=store.clock)
+    committer.write_payload(2, [SourceFile("state.json", lambda: [b"{}"])])  # never committed
+    staged = [o.path for o in store.backend.list(step_dir(2) + "/")]
     store.backend.write(pin_path(9), [b"pinned\n"])  # pin of a step that is gone
-    assert store.gc().deleted == ()  # too young: could be a save in flight elsewhere
+    store.backend.write(step_dir(1) + "/synced-by-hand.bin", [b"x"])  # not ckptstore's
+    young = store.gc()
+    assert young.deleted == ()  # too young: could be a save in flight elsewhere
+    assert young.kept == (staged[0].rsplit("/", 1)[0],)
     report = store.gc(dry_run=True, older_than=0)
-    assert set(report.deleted) == {
-        payload_path(1, "leftover.bin"),
-        payload_path(2, "state.json"),
-        pin_path(9),
-    }
-    assert store.backend.stat(payload_path(2, "state.json")) is not None
+    assert set(report.deleted) == {*staged, pin_path(9)}
+    assert report.foreign == (step_dir(1) + "/synced-by-hand.bin",)
+    assert store.backend.stat(staged[0]) is not None
     assert store.gc(older_than=0).deleted == report.deleted
-    assert list(store.backend.list(step_dir(2) + "/")) == []
+    left = [o.path for o in store.backend.list(step_dir(2) + "/")]
+    assert left == [manifest_path(2)]  # a tombstone, which gc removes a day later
+    assert store.latest().step == 1  # type: ignore[union-attr]
+    assert store.backend.read(step_dir(1) + "/synced-by-hand.bin") == b"x"  # reported, kept
     assert store.verify(1).ok and store.gc(older_than=0).deleted == ()
 
 
 def test_verify_all_reports_every_bad_step(store: CheckpointStore) -> None:
     for step in (1, 2, 3):
         store.save(step, state_for(step))
-    store.backend.write(payload_path(1, "state.json"), [b"{}"])
-    store.backend.delete([payload_path(3, "w-00000.safetensors")])
+    store.backend.write(file_key(store, 1, "state.json"), [b"{}"])
+    store.backend.delete([file_key(store, 3, "w-00000.safetensors")])
     reports = {r.step: r for r in store.verify_all()}
     assert reports[2].ok
     assert "checksum" in reports[1].problems[0] or "bytes" in reports[1].problems[0]

@@ -13,7 +13,6 @@ import torch
 
 from ckptstore import CheckpointError, CheckpointStore, ConfigError
 from ckptstore.integrations.training import CheckpointCallback, resume
-from ckptstore.layout import payload_path
 
 
 class Run:
@@ -140,7 +139,7 @@ def test_a_corrupt_latest_falls_back_with_a_warning(
             if step == 2:
                 want = run.snapshot()
         entry = store.info(4).manifest.file("model-00000.safetensors")
-        store.backend.write(payload_path(4, entry.path), [b"\0" * entry.size])
+        store.backend.write(entry.key(4), [b"\0" * entry.size])
         resumed = Run(7)
         with caplog.at_level(logging.WARNING, "ckptstore"):
             assert resume(store, resumed.model, resumed.optimizer, resumed.scheduler) == 2

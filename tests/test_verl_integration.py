@@ -319,7 +319,7 @@ def test_corrupt_latest_falls_back_with_a_warning_and_is_replaced_on_save(
     tmp_path: Path, uri: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     nodes, saved = save_three(tmp_path, uri)
-    shard = Path(uri) / "global_step_3" / "actor" / "model_world_size_2_rank_1.pt"
+    shard = next((Path(uri) / "global_step_3").rglob("actor/model_world_size_2_rank_1.pt"))
     shard.write_bytes(b"X" + shard.read_bytes()[1:])  # bit rot in the store
     _, fleet = two_nodes(tmp_path, uri)
     with caplog.at_level(logging.WARNING):
@@ -343,7 +343,7 @@ def test_corrupt_latest_falls_back_with_a_warning_and_is_replaced_on_save(
 def test_nothing_verifies_and_no_local_copy_raises(tmp_path: Path, uri: str) -> None:
     nodes, _ = save_three(tmp_path, uri)
     for step in (1, 2, 3):
-        (Path(uri) / f"global_step_{step}" / "data.pt").write_bytes(b"garbage")
+        next((Path(uri) / f"global_step_{step}").rglob("data.pt")).write_bytes(b"garbage")
     _, fleet = two_nodes(tmp_path, uri)
     with pytest.raises(CorruptCheckpointError, match="no committed step passed verification"):
         callback(verl_config(nodes[0], uri, keep_last=None), fleet)

@@ -18,7 +18,7 @@ from ckptstore.errors import (
     UnsafeLoadError,
     UntrustedCheckpointError,
 )
-from ckptstore.info import CheckpointInfo, GcReport, SaveStats, VerifyReport
+from ckptstore.info import CheckpointInfo, GcReport, Loaded, SaveStats, VerifyReport
 from ckptstore.retention import KeepEvery, KeepLast, RetentionPolicy
 from ckptstore.store import CheckpointStore
 
@@ -38,6 +38,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "KeepEvery",
     "KeepLast",
+    "Loaded",
     "LeaseHeldError",
     "NotFoundError",
     "RetentionPolicy",

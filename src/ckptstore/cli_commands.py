@@ -46,16 +46,17 @@ def ls_command(ctx: click.Context, uri: str) -> None:
     infos = store.list()
     latest = latest_step(store) if infos else None
     pins = store.pins()
+    fenced = store.fenced_steps(infos)
     data = {
         "uri": store.uri,
         "latest": latest,
-        "steps": [step_record(i, latest=latest, pins=pins) for i in infos],
+        "steps": [step_record(i, latest=latest, pins=pins, fenced=fenced) for i in infos],
     }
     if not infos:
         if settings_of(ctx).as_json:
             emit(ctx, data, "")
         raise empty_store(store)
-    emit(ctx, data, lambda: steps_table(infos, latest=latest, pins=pins))
+    emit(ctx, data, lambda: steps_table(infos, latest=latest, pins=pins, fenced=fenced))
 
 
 @click.command("show")

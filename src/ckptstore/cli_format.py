@@ -86,7 +86,11 @@ def format_pairs(pairs: Sequence[tuple[str, Any]], indent: str = "") -> str:
 
 
 def step_record(
-    info: CheckpointInfo, *, latest: int | None, pins: Collection[int]
+    info: CheckpointInfo,
+    *,
+    latest: int | None,
+    pins: Collection[int],
+    fenced: Collection[int] = (),
 ) -> dict[str, Any]:
     """One committed step as a JSON-ready dict (the row of ``ls --json``)."""
     return {
@@ -99,17 +103,24 @@ def step_record(
         "kind": info.manifest.kind,
         "pinned": info.step in pins,
         "latest": info.step == latest,
+        "fenced": info.step in fenced,
         "metadata": dict(info.metadata),
     }
 
 
 def steps_table(
-    infos: Sequence[CheckpointInfo], *, latest: int | None, pins: Collection[int], indent: str = ""
+    infos: Sequence[CheckpointInfo],
+    *,
+    latest: int | None,
+    pins: Collection[int],
+    fenced: Collection[int] = (),
+    indent: str = "",
 ) -> str:
-    """The human view of ``ls``: one row per committed step, ascending."""
+    """The human view of ``ls``: one row per committed step, ascending. A step that a writer
+    committed after losing the lease is marked ``fenced``: it is never loaded as latest."""
     rows = []
     for info in infos:
-        record = step_record(info, latest=latest, pins=pins)
+        record = step_record(info, latest=latest, pins=pins, fenced=fenced)
         rows.append(
             [
                 record["step"],
@@ -117,7 +128,7 @@ def steps_table(
                 human_size(record["size"]),
                 record["files"],
                 "pinned" if record["pinned"] else "",
-                "latest" if record["latest"] else "",
+                "latest" if record["latest"] else "fenced" if record["fenced"] else "",
                 metadata_summary(record["metadata"]),
             ]
         )

@@ -1,34 +1,44 @@
 """The commit protocol, over any backend.
 
-1. Payload files are written first, each atomically, with a CRC32C computed as bytes stream
-   past. Before committing, one listing of the step directory confirms each is present with
-   its size (a concurrent ``gc`` cannot leave a manifest pointing at nothing).
-2. The manifest, the commit marker, is written last with a create-only write: a step exists
-   if and only if its manifest does, and it can be committed once.
+1. Each save attempt writes into a directory of its own (layout.py), an attempt marker first,
+   then every payload file, each atomically, with a CRC32C (and, in signed stores, a SHA-256)
+   computed as the bytes stream past. Rival writers of one step never share a key.
+2. One listing of the step directory confirms each file is present with its size, then the
+   manifest, the commit marker, is written last with a create-only write: a step exists if and
+   only if its manifest does, it can be committed once, and the manifest that wins describes
+   exactly the bytes of the attempt(s) it lists.
 3. ``latest`` then moves by compare-and-swap, only forward: on a lost race the pointer is
-   re-read and the move retried only while our step is still newer.
+   re-read and the move retried only while our step is still newer. A pointer left ahead of
+   every committed step (its step was deleted) is repaired by the next move.
 4. Uncommitting (retention, ``rm``) deletes the manifest first, then the payload, so an
    interrupted delete leaves garbage that ``gc`` finds, never a half-deleted committed step.
+5. Removing the attempts of an uncommitted step (``abort_step``, used by ``discard`` and
+   ``gc``) first puts a tombstone at the manifest key with a create-only write. While it stands
+   no commit of the step can succeed, so no file is deleted from under a step being committed.
 
-Readers treat manifests as the truth and ``latest`` as a fast path: a missing, broken or
-dangling pointer makes them fall back to listing (see store.py).
+Readers treat manifests as the truth and ``latest`` as a fast path (catalog.py, store.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
-import mmap
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptstore import layout
-from ckptstore.backends.base import Backend, Chunk, join
-from ckptstore.checksum import Crc32c, checksummed
+from ckptstore.backends.base import Backend, Chunk
+from ckptstore.cas import swap_loop
+from ckptstore.catalog import Catalog
+from ckptstore.checksum import Crc32c
 from ckptstore.errors import (
-    BackendError,
+    CheckpointError,
+    ConfigError,
     ConflictError,
     CorruptCheckpointError,
     FencedError,
@@ -37,53 +47,20 @@ from ckptstore.errors import (
     ObjectExistsError,
     PreconditionFailedError,
 )
-from ckptstore.manifest import FileEntry, Manifest
+from ckptstore.manifest import (
+    FileEntry,
+    Manifest,
+    encode_tombstone,
+    is_tombstone,
+    tombstone_attempts,
+)
+from ckptstore.pointer import Pointer
 from ckptstore.signing import Signer
 
 log = logging.getLogger(__name__)
 
-POINTER_SCHEMA = 1
 Progress = Callable[[int], None]
 """Called with a number of bytes just transferred (CLI progress bars)."""
-MAX_SWAP_ATTEMPTS = 20
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """The decoded ``latest.json``: which step, who moved it there and when."""
-
-    step: int
-    writer: str
-    time: float
-    epoch: int = 0
-    """The writer lease epoch of whoever moved it (lease.py); 0 without leases."""
-
-    def encode(self) -> bytes:
-        body = {
-            "schema_version": POINTER_SCHEMA,
-            "epoch": self.epoch,
-            "step": self.step,
-            "manifest": layout.manifest_path(self.step),
-            "writer": self.writer,
-            "time": self.time,
-        }
-        return json.dumps(body, indent=1, sort_keys=True).encode()
-
-    @classmethod
-    def decode(cls, data: bytes, where: str) -> Pointer:
-        try:
-            body = json.loads(data)
-            if body["schema_version"] != POINTER_SCHEMA:
-                raise ValueError(f"schema_version {body['schema_version']!r}")
-            step = layout.check_step(body["step"], where="latest step")
-            if body["manifest"] != layout.manifest_path(step):
-                raise ValueError("manifest path does not match the step")
-            epoch = body["epoch"]
-            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-                raise ValueError(f"epoch {epoch!r}")
-            return cls(step, str(body["writer"]), float(body["time"]), epoch)
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CorruptCheckpointError(f"{where}: unreadable latest pointer ({e})") from e
 
 
 @dataclass(frozen=True)
@@ -105,69 +82,17 @@ class Committer:
         writer: str,
         clock: Callable[[], float] = time.time,
         signer: Signer | None = None,
+        catalog: Catalog | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.backend = backend
         self.signer = signer
         self.writer = writer
         self.clock = clock
-
-    def uri(self, path: str) -> str:
-        return join(self.backend.uri, path) if path else self.backend.uri
-
-    # -- reading -------------------------------------------------------------------------
-
-    def read_manifest(self, step: int) -> Manifest:
-        """The step's manifest; NotFoundError if the step is not committed."""
-        path = layout.manifest_path(step)
-        try:
-            data = self.backend.read(path)
-        except NotFoundError as e:
-            raise NotFoundError(
-                f"step {step} is not committed in {self.backend.uri} (no {path})"
-            ) from e
-        manifest = Manifest.decode(data, where=self.uri(path))
-        if self.signer is not None:
-            self.signer.check(manifest, self.uri(path))
-        if manifest.step != step:
-            raise CorruptCheckpointError(
-                f"{self.uri(path)}: manifest says step {manifest.step}, expected {step}"
-            )
-        return manifest
-
-    def read_pointer(self) -> tuple[Pointer | None, str | None]:
-        """``(pointer, version)``; ``(None, None)`` if absent. Raises if unreadable."""
-        try:
-            data, version = self.backend.read_versioned(layout.LATEST_NAME)
-        except NotFoundError:
-            return None, None
-        return Pointer.decode(data, self.uri(layout.LATEST_NAME)), version
-
-    def step_dirs(self) -> list[int]:
-        """Steps that have a directory in the store, committed or not, ascending."""
-        found = (layout.parse_step_dir(name) for name in self.backend.list_dirs(""))
-        return sorted(s for s in found if s is not None)
-
-    def read_verified(self, step: int, entry: FileEntry) -> memoryview:
-        """A payload file's bytes after checking its size and CRC32C against the manifest.
-
-        The buffer is allocated once at the manifest's size and filled in place.
-        """
-        path = layout.payload_path(step, entry.path)
-        data = _unfilled_buffer(entry.size)
-        try:
-            size = self.backend.read_into(path, data)
-        except NotFoundError as e:
-            raise IncompleteCheckpointError(
-                f"{self.uri(path)} is missing, but the manifest of step {step} lists it; "
-                "the step is incomplete. Load an earlier step"
-            ) from e
-        if size != entry.size:
-            raise CorruptCheckpointError(
-                f"{self.uri(path)}: {size} bytes, but the manifest of step {step} says "
-                f"{entry.size}; the file is truncated or was overwritten. Load an earlier step"
-            )
-        check_file(data, entry, where=self.uri(path), step=step)
-        return data
+        self.sleep = sleep
+        self.catalog = catalog if catalog is not None else Catalog(backend, signer=signer)
+        self.digests = signer is not None
+        """Record a SHA-256 of every file: signed manifests must cover the bytes themselves."""
 
     # -- writing -------------------------------------------------------------------------
 
@@ -178,10 +103,12 @@ class Committer:
         progress: Progress | None = None,
         *,
         previous: Manifest | None = None,
+        epoch: int = 0,
     ) -> list[FileEntry]:
-        """Write every payload file (several at once); returns their manifest entries.
+        """Write every payload file (several at once) into a new attempt directory; returns
+        their manifest entries. On failure the attempt's files are removed (best effort).
 
-        A file whose size and CRC32C equal those of the same path in ``previous`` is copied
+        A file whose size and checksum equal those of the same path in ``previous`` is copied
         from there (server-side on S3, a hard link locally) instead of uploaded. ``progress``
         is called with each chunk's size as it is handed to the backend.
         """
@@ -191,36 +118,85 @@ class Committer:
         for source in sources:
             layout.check_relpath(source.path, where=f"step {step}")
         earlier = {f.path: f for f in previous.files} if previous is not None else {}
+        attempt = self.begin_attempt(step, epoch)
 
         def write_one(source: SourceFile) -> FileEntry:
-            path = layout.payload_path(step, source.path)
+            path = layout.payload_path(step, source.path, attempt)
             old = earlier.get(source.path)
-            if previous is not None and old is not None and old.size == source.size:
-                crc = Crc32c()
-                for chunk in source.chunks():
-                    crc.update(chunk)
-                if crc.hexdigest() == old.crc32c:
-                    self.backend.copy(layout.payload_path(previous.step, old.path), path)
-                    if progress:
-                        progress(old.size)
-                    return FileEntry(source.path, old.size, old.crc32c, previous.step)
-            crc = Crc32c()
-            chunks = checksummed(source.chunks(), crc)
+            unchanged = (
+                old is not None and old.size == source.size and self._same_bytes(source, old)
+            )
+            if previous is not None and old is not None and unchanged:
+                self.backend.copy(old.key(previous.step), path)
+                if progress:
+                    progress(old.size)
+                return FileEntry(
+                    source.path, old.size, old.crc32c, previous.step, attempt, old.sha256
+                )
+            crc, sha = Crc32c(), hashlib.sha256() if self.digests else None
+            chunks = _hashed(source.chunks(), crc, sha)
             size = self.backend.write(path, _reporting(chunks, progress) if progress else chunks)
-            return FileEntry(source.path, size, crc.hexdigest())
+            digest = sha.hexdigest() if sha is not None else None
+            return FileEntry(source.path, size, crc.hexdigest(), None, attempt, digest)
 
         workers = max(1, min(self.backend.capabilities.parallel_writes, len(sources)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-write") as pool:
-            return list(pool.map(write_one, sources))
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-write") as pool:
+                return list(pool.map(write_one, sources))
+        except BaseException:
+            self.discard_attempts(step, {attempt})
+            raise
+
+    def begin_attempt(self, step: int, epoch: int, attempt: str | None = None) -> str:
+        """Write the marker of an attempt (a fresh one by default) before any of its files."""
+        attempt = attempt if attempt is not None else secrets.token_hex(8)
+        marker = {"writer": self.writer, "lease_epoch": epoch, "started": self.clock()}
+        self.backend.write(layout.attempt_marker_path(step, attempt), [json.dumps(marker).encode()])
+        return attempt
+
+    def replicate(
+        self,
+        step: int,
+        entries: Iterable[FileEntry],
+        read: Callable[[FileEntry], Chunk],
+        progress: Progress | None = None,
+        *,
+        epoch: int = 0,
+    ) -> None:
+        """Write another store's files of ``step`` under the same keys (``copy_to``), so its
+        manifest, signature included, stays valid here verbatim."""
+        entries = list(entries)
+        for attempt in sorted({e.attempt for e in entries if e.attempt is not None}):
+            self.begin_attempt(step, epoch, attempt)
+
+        def write_one(entry: FileEntry) -> None:
+            self.backend.write(entry.key(step), [read(entry)])
+            if progress:
+                progress(entry.size)
+
+        workers = max(1, min(self.backend.capabilities.parallel_writes, len(entries)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-copy") as pool:
+            list(pool.map(write_one, entries))
+
+    def _same_bytes(self, source: SourceFile, old: FileEntry) -> bool:
+        """Whether ``source`` holds the bytes ``old`` lists (by SHA-256 when digests are on)."""
+        if self.digests and old.sha256 is None:
+            return False
+        crc, sha = Crc32c(), hashlib.sha256() if self.digests else None
+        for _ in _hashed(source.chunks(), crc, sha):
+            pass
+        if sha is not None:
+            return sha.hexdigest() == old.sha256
+        return crc.hexdigest() == old.crc32c
 
     def confirm_payload(self, step: int, entries: Iterable[FileEntry]) -> None:
         """One listing proves every file is in place before the commit marker is written."""
-        present = {o.path: o.size for o in self.backend.list(layout.step_dir(step) + "/")}
+        present = self.catalog.payload_sizes(step)
         for entry in entries:
-            path = layout.payload_path(step, entry.path)
+            path = entry.key(step)
             if present.get(path) != entry.size:
                 raise IncompleteCheckpointError(
-                    f"{self.uri(path)} vanished or changed size before step {step} was "
+                    f"{self.catalog.uri(path)} vanished or changed size before step {step} was "
                     "committed (a concurrent gc or rm?); nothing was committed, save again"
                 )
 
@@ -231,121 +207,251 @@ class Committer:
         """
         path = layout.manifest_path(manifest.step)
         if self.signer is not None:
+            undigested = [f.path for f in manifest.files if f.sha256 is None]
+            if undigested and manifest.schema_version >= 2:
+                raise ConfigError(
+                    f"{self.backend.uri}: step {manifest.step} cannot be signed: "
+                    f"{undigested[0]!r} was staged without a SHA-256 (by a process without the "
+                    "signing key?). Set the key (CKPTSTORE_SIGNING_KEY) on every process that "
+                    "stages files; nothing was committed"
+                )
             manifest = self.signer.sign(manifest)
         data = manifest.encode()
         try:
             self.backend.create(path, data)
         except ObjectExistsError as e:
-            if manifest.writer == self.writer and self._holds(path, data):
+            try:
+                held, version = self.backend.read_versioned(path)
+            except NotFoundError:
+                held, version = None, None
+            if held == data and manifest.writer == self.writer:
                 return manifest  # a retry found our own first attempt, whose answer was lost
+            removed = tombstone_attempts(held) if held is not None else None
+            if removed is not None:
+                if removed.isdisjoint(f.attempt for f in manifest.files):
+                    with contextlib.suppress(PreconditionFailedError):  # a newer claim won
+                        self.backend.swap(path, data, version)
+                        return manifest
+                raise ConflictError(
+                    f"step {manifest.step} in {self.backend.uri} was removed while this save "
+                    "staged its files (gc judged them abandoned, or a coordinator discarded the "
+                    "step); nothing was committed. Save again"
+                ) from e
             raise ConflictError(
                 f"step {manifest.step} is already committed in {self.backend.uri}; committed "
                 "steps are immutable. Save under a new step, or `ckptstore rm` it first"
             ) from e
         return manifest
 
-    def _holds(self, path: str, data: bytes) -> bool:
-        """Whether ``path`` holds exactly ``data`` (a manifest of ours: writer id and time)."""
+    def _read_or_none(self, path: str) -> bytes | None:
         try:
-            return self.backend.read(path) == data
+            return self.backend.read(path)
         except NotFoundError:
-            return False
+            return None
 
     def advance_latest(self, step: int, *, epoch: int = 0, rollback: bool = False) -> bool:
         """Move ``latest`` to ``step`` by compare-and-swap; returns False if it was ahead.
 
         Without ``rollback`` the pointer only moves forward: if another writer already moved
-        it past ``step`` it stays there. Lost races are retried against the fresh pointer.
-        A pointer stamped with a newer lease ``epoch`` than ours means we were fenced.
+        it past ``step`` to a committed step it stays there. A pointer stamped with a newer
+        lease ``epoch`` than ours means we were fenced.
         """
-        for attempt in range(MAX_SWAP_ATTEMPTS):
-            try:
-                current, version = self.read_pointer()
-            except CorruptCheckpointError as e:
-                log.warning("%s; overwriting it with step %d", e, step)
-                current, version = None, self._version_of_broken_pointer()
-            if current is not None and rollback:
-                epoch = max(epoch, current.epoch)
-            elif current is not None and current.epoch > epoch:
+        where = self.catalog.uri(layout.LATEST_NAME)
+
+        def decide(data: bytes | None) -> bytes | None:
+            current = self._decode_pointer(data, f"moving it to step {step}")
+            if current is not None and not rollback and current.epoch > epoch:
                 raise FencedError(
-                    f"{self.uri(layout.LATEST_NAME)} was moved by {current.writer} holding a "
-                    f"newer writer lease (epoch {current.epoch} > {epoch}); step {step} is "
-                    "committed but this writer may no longer move latest. Stop this job"
+                    f"{where} was moved by {current.writer} holding a newer writer lease "
+                    f"(epoch {current.epoch} > {epoch}); step {step} is committed but this "
+                    "writer may no longer move latest. Stop this job"
                 )
-            elif current is not None and current.step >= step:
-                return current.step == step
-            pointer = Pointer(step, self.writer, self.clock(), epoch)
-            try:
-                self.backend.swap(layout.LATEST_NAME, pointer.encode(), version)
-                return True
-            except PreconditionFailedError:
-                log.debug("latest moved under us (attempt %d); re-reading", attempt + 1)
-                time.sleep(min(0.05 * 2**attempt, 1.0))
-        raise BackendError(
-            f"step {step} is committed in {self.backend.uri}, but {layout.LATEST_NAME} could not "
-            f"be moved to it after {MAX_SWAP_ATTEMPTS} attempts (too many concurrent writers); "
-            "readers fall back to listing, and the next save moves it",
-            retryable=True,
+            ahead = current is not None and current.step is not None and current.step >= step
+            if ahead and not rollback and current is not None and current.step is not None:
+                if current.step == step or self._committed(current.step):
+                    return None
+                log.warning(
+                    "%s pointed at step %d, which is not committed (deleted behind its back?); "
+                    "repairing it: moving it to step %d",
+                    where,
+                    current.step,
+                    step,
+                )
+            base = current if current is not None else Pointer(None, self.writer, 0.0)
+            return base.moved(step, self.writer, self.clock(), epoch).encode()
+
+        return swap_loop(
+            self.backend,
+            layout.LATEST_NAME,
+            decide,
+            what=f"move latest to step {step}",
+            sleep=self.sleep,
         )
 
     def stamp_latest(self, epoch: int) -> None:
-        """Re-write ``latest`` (same step) with a new lease epoch, fencing older writers."""
-        for _ in range(MAX_SWAP_ATTEMPTS):
-            try:
-                current, version = self.read_pointer()
-            except CorruptCheckpointError:
-                return  # the next save replaces it
-            if current is None or current.epoch >= epoch:
-                return
-            stamped = Pointer(current.step, self.writer, self.clock(), epoch)
-            try:
-                self.backend.swap(layout.LATEST_NAME, stamped.encode(), version)
-                return
-            except PreconditionFailedError:
-                continue
+        """Stamp ``latest`` (same step) with a new lease epoch and a fence (pointer.py), so an
+        older holder can neither move it nor have a late step of its taken for latest."""
 
-    def _version_of_broken_pointer(self) -> str | None:
-        try:
-            return self.backend.read_versioned(layout.LATEST_NAME)[1]
-        except NotFoundError:
+        def decide(data: bytes | None) -> bytes | None:
+            current = self._decode_pointer(data, "stamping it")
+            if current is not None and current.epoch >= epoch:
+                return None
+            base = current if current is not None else Pointer(None, self.writer, 0.0)
+            return base.stamped(self.writer, self.clock(), epoch).encode()
+
+        swap_loop(
+            self.backend,
+            layout.LATEST_NAME,
+            decide,
+            what="stamp latest with a new lease epoch",
+            sleep=self.sleep,
+        )
+
+    def _decode_pointer(self, data: bytes | None, doing: str) -> Pointer | None:
+        if data is None:
             return None
+        try:
+            return Pointer.decode(data, self.catalog.uri(layout.LATEST_NAME))
+        except CorruptCheckpointError as e:
+            log.warning("%s; replacing it, %s", e, doing)
+            return None
+
+    def _committed(self, step: int) -> bool:
+        try:
+            self.catalog.read_manifest(step)
+        except NotFoundError:
+            return False
+        except CheckpointError:
+            return True  # unreadable, but there: not ours to judge here
+        return True
 
     # -- deleting ------------------------------------------------------------------------
 
     def uncommit(self, step: int) -> None:
-        """Delete a step: manifest first, then the payload (see the module docstring)."""
-        self.backend.delete([layout.manifest_path(step)])
-        self.delete_prefix(layout.step_dir(step) + "/")
+        """Delete a committed step: its manifest is swapped for a tombstone first (the step is
+        uncommitted from that instant), then the files it lists go, then the tombstone. A
+        delete that dies half-way leaves a tombstone and files that ``gc`` removes, never a
+        half step. Removing the tombstone at once is safe here, unlike in :meth:`abort_step`:
+        the files deleted belong to attempts that were committed, which nobody commits again."""
+        path = layout.manifest_path(step)
+        try:
+            data, version = self.backend.read_versioned(path)
+        except NotFoundError:
+            return
+        if is_tombstone(data):
+            return
+        manifest = Manifest.decode(data, where=self.catalog.uri(path))
+        attempts = {f.attempt for f in manifest.files if f.attempt is not None}
+        self.backend.swap(path, encode_tombstone(self.writer, self.clock(), attempts), version)
+        markers = {layout.attempt_marker_path(step, a) for a in attempts}
+        delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
+        self.drop_tombstone(step)
 
-    def delete_prefix(self, prefix: str) -> list[str]:
-        paths = [o.path for o in self.backend.list(prefix)]
-        self.backend.delete(paths)
-        return paths
+    def discard_attempts(self, step: int, attempts: Iterable[str]) -> None:
+        """Remove our own attempts' files, unless a manifest of the step lists them (a commit
+        whose answer was lost). Another writer cannot commit our attempts, so no tombstone is
+        needed. Failures are logged: ``gc`` removes what is left."""
+        doomed = set(attempts)
+        try:
+            with contextlib.suppress(NotFoundError):
+                doomed -= {f.attempt for f in self.catalog.read_manifest(step).files}
+            paths = [
+                o.path
+                for o in self.backend.list(layout.step_dir(step) + "/")
+                if layout.parse_attempt_path(step, o.path) in doomed
+            ]
+            delete_attempt_files(self.backend, paths)
+        except CheckpointError as e:
+            log.warning("could not remove the files of uncommitted step %d (gc will): %s", step, e)
+
+    def abort_step(
+        self, step: int, attempts: set[str] | None = None, *, keep_tombstone: bool = True
+    ) -> list[str] | None:
+        """Remove the files of the step's uncommitted attempts (all of those present now, or
+        only ``attempts``); returns what was deleted, or ``None`` if the step is committed.
+
+        The attempts are chosen first, then the step's manifest key is claimed with a fresh
+        tombstone, then their files are deleted. A committer of a chosen attempt began before
+        the claim, so its create-only (or compare-and-swap) commit fails: no file is ever
+        deleted from under a step being committed. Files outside attempts are never touched.
+        ``keep_tombstone=False`` (a coordinator discarding its own ranks' attempts, which it
+        will not commit) removes the tombstone at the end; ``gc``, which removes attempts of
+        writers it does not know, keeps it, as :meth:`claim` explains.
+        """
+        prefix = layout.step_dir(step) + "/"
+        if attempts is None:
+            attempts = {
+                a
+                for o in self.backend.list(prefix)
+                if (a := layout.parse_attempt_path(step, o.path)) is not None
+            }
+        if not self.claim(step, attempts):
+            return None
+        doomed = [
+            o.path
+            for o in self.backend.list(prefix)
+            if layout.parse_attempt_path(step, o.path) in attempts
+        ]
+        delete_attempt_files(self.backend, doomed)
+        if not keep_tombstone:
+            self.drop_tombstone(step)
+        return doomed
+
+    def claim(self, step: int, attempts: Iterable[str]) -> bool:
+        """Put a fresh tombstone naming ``attempts`` at an uncommitted step's manifest key
+        (create-only, or by compare-and-swap over an older tombstone); False if a manifest is
+        there. A committer may commit over a tombstone that names none of its attempts, by
+        compare-and-swap against the version it read, so a newer claim always wins.
+
+        Tombstones are not deleted right away: a committer that saw the key empty before a
+        remover's tombstone could otherwise commit after the remover deleted both its files and
+        the tombstone. ``gc`` removes a tombstone once it is a day old.
+        """
+        path = layout.manifest_path(step)
+        tombstone = encode_tombstone(self.writer, self.clock(), attempts)
+        for _ in range(3):
+            try:
+                self.backend.create(path, tombstone)
+                return True
+            except ObjectExistsError:
+                pass
+            try:
+                held, version = self.backend.read_versioned(path)
+            except NotFoundError:
+                continue
+            if not is_tombstone(held):
+                return False
+            try:
+                self.backend.swap(path, tombstone, version)
+                return True
+            except PreconditionFailedError:
+                continue
+        return False
+
+    def drop_tombstone(self, step: int) -> None:
+        """Delete the step's tombstone, unless a manifest replaced it."""
+        path = layout.manifest_path(step)
+        held = self._read_or_none(path)
+        if held is not None and is_tombstone(held):
+            self.backend.delete([path])
 
 
-def _unfilled_buffer(size: int) -> memoryview:
-    """Writable memory that nobody writes before the read does. ``bytearray(n)`` zero-fills
-    every byte while holding the GIL: on a 1 GiB load that cost about as much as the reads."""
-    if not size:
-        return memoryview(bytearray())
-    # MAP_PRIVATE: the default, MAP_SHARED, puts anonymous pages in shmem, slower to fault in
-    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+def delete_attempt_files(backend: Backend, paths: Iterable[str]) -> None:
+    """Delete attempt files, markers last, so an interrupted delete leaves a recognisable
+    attempt (marker present) rather than anonymous files."""
+    paths = list(paths)
+    markers = [p for p in paths if p.endswith("/" + layout.ATTEMPT_MARKER)]
+    backend.delete([p for p in paths if p not in markers])
+    backend.delete(markers)
 
 
-def check_file(data: Chunk, entry: FileEntry, *, where: str, step: int) -> None:
-    """Raise CorruptCheckpointError naming the file and step unless size and CRC32C match."""
-    if len(data) != entry.size:
-        raise CorruptCheckpointError(
-            f"{where}: {len(data)} bytes, but the manifest of step {step} says {entry.size}; "
-            "the file is truncated or was overwritten. Load an earlier step"
-        )
-    crc = Crc32c()
-    crc.update(data)
-    if crc.hexdigest() != entry.crc32c:
-        raise CorruptCheckpointError(
-            f"{where}: checksum mismatch (crc32c {crc.hexdigest()}, manifest of step {step} "
-            f"says {entry.crc32c}); the bytes are corrupt. Load an earlier step"
-        )
+def _hashed(chunks: Iterable[Chunk], crc: Crc32c, sha: hashlib._Hash | None) -> Iterator[Chunk]:
+    """Pass ``chunks`` through, updating the checksums with each."""
+    for chunk in chunks:
+        crc.update(chunk)
+        if sha is not None:
+            sha.update(chunk)
+        yield chunk
 
 
 def _reporting(chunks: Iterable[Chunk], progress: Progress) -> Iterator[Chunk]:

@@ -9,13 +9,17 @@ loading.
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ckptstore import layout
-from ckptstore.commit import Committer, Progress, SourceFile
+from ckptstore.backends.base import ObjectInfo
+from ckptstore.commit import Progress, delete_attempt_files
 from ckptstore.errors import (
+    CheckpointError,
+    CompatibilityError,
     ConfigError,
     ConflictError,
     CorruptCheckpointError,
@@ -23,13 +27,18 @@ from ckptstore.errors import (
     NotFoundError,
 )
 from ckptstore.info import CheckpointInfo, GcReport, VerifyReport
-from ckptstore.manifest import FileEntry
+from ckptstore.lease_record import Process, read_lease
+from ckptstore.manifest import FileEntry, tombstone_attempts
 from ckptstore.retention import steps_to_delete
 
 if TYPE_CHECKING:
     from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
+
+TOMBSTONE_GRACE_SECONDS = 86400.0
+"""gc removes a tombstone (commit.py) only once it is this old, whatever ``older_than`` says: a
+committer stalled for that long between staging and committing is taken for dead."""
 
 
 def verify(store: CheckpointStore, step: int | None) -> VerifyReport:
@@ -47,7 +56,7 @@ def verify(store: CheckpointStore, step: int | None) -> VerifyReport:
     problems = []
     for entry in info.files:
         try:
-            store._committer.read_verified(step, entry)
+            store._catalog.read_verified(step, entry)
         except (CorruptCheckpointError, IncompleteCheckpointError) as e:
             problems.append(str(e))
     return VerifyReport(step, tuple(problems))
@@ -88,7 +97,7 @@ def prune(store: CheckpointStore, dry_run: bool) -> list[int]:
             f"{store.uri}: no retention policy to prune by; open the store with keep_last "
             "and/or keep_every (CLI: --keep-last N --keep-every K)"
         )
-    pointer, _ = store._committer.read_pointer()
+    pointer, _ = store._catalog.read_pointer()
     committed = [i.step for i in store.list()]
     latest = pointer.step if pointer is not None and pointer.step in committed else None
     doomed = steps_to_delete(store.retention, committed, latest=latest, pinned=pins(store))
@@ -105,7 +114,7 @@ def delete(store: CheckpointStore, step: int, force: bool) -> None:
     Deleting the latest step with ``force`` moves ``latest`` back to the newest step left.
     """
     info = store.info(step)
-    pointer, _ = store._committer.read_pointer()
+    pointer, _ = store._catalog.read_pointer()
     is_latest = pointer is not None and pointer.step == info.step
     if not force and (is_latest or info.step in pins(store)):
         what, fix = ("the latest step", "") if is_latest else ("pinned", "unpin it first or ")
@@ -149,16 +158,19 @@ def copy_to(
                     "there first (ckptstore rm) or copy other steps"
                 )
             continue
-        files = [
-            SourceFile(e.path, _verified_reader(store._committer, info.step, e)) for e in info.files
-        ]
+
+        def read(entry: FileEntry, step: int = info.step) -> bytes:
+            return bytes(store._catalog.read_verified(step, entry))
+
         try:
-            entries = other._committer.write_payload(info.step, files, progress)
-            other._committer.confirm_payload(info.step, entries)
+            epoch = other.hold_lease()
+            other._committer.replicate(info.step, info.files, read, progress, epoch=epoch)
+            other._committer.confirm_payload(info.step, info.files)
             epoch = other.hold_lease()
             manifest = other._committer.commit(info.manifest)
         except BaseException:
-            other.discard(info.step)
+            attempts = {f.attempt for f in info.files if f.attempt is not None}
+            other._committer.discard_attempts(info.step, attempts)
             raise
         copied.append(other._info(manifest))
     if copied:
@@ -168,42 +180,136 @@ def copy_to(
 
 
 def gc(store: CheckpointStore, dry_run: bool, older_than: float) -> GcReport:
-    """Remove garbage: uncommitted step files, unlisted files, stray uploads, stale pins.
+    """Remove what failed saves left: dead attempts, stray uploads, pins of deleted steps.
 
-    Only objects older than ``older_than`` seconds are touched, so a save in flight in
-    another process keeps its files. Steps with unreadable manifests are left alone.
+    Never a manifest, never a file a manifest lists, never anything ckptstore did not write
+    (files outside attempt directories are reported as foreign). An uncommitted step's attempts
+    are removed only when every one of them looks dead: nothing in them is younger than
+    ``older_than`` seconds and none was started under the writer lease that is held now; and
+    then under a tombstone (commit.py), so a commit cannot land while its files go. Attempts
+    that lost the race for a committed step are dead whatever their age.
     """
     cutoff = store.clock() - older_than
-    committed, broken = store._scan()
-    manifests = {m.step: m for m in committed}
-    doomed: list[str] = []
-    for step in store._committer.step_dirs():
-        if step in broken:
-            continue
+    tombstone_cutoff = store.clock() - max(older_than, TOMBSTONE_GRACE_SECONDS)
+    live_epoch = _held_lease_epoch(store)
+    deleted: list[str] = []
+    foreign: list[str] = []
+    kept: list[str] = []
+    committed: set[int] = set()
+    for step in store._catalog.step_dirs():
         objects = list(store.backend.list(layout.step_dir(step) + "/"))
-        if step in manifests:
-            listed = {layout.payload_path(step, f.path) for f in manifests[step].files}
-            listed.add(layout.manifest_path(step))
-            doomed += [o.path for o in objects if o.path not in listed and _old(o.mtime, cutoff)]
-        elif all(_old(o.mtime, cutoff) for o in objects):
-            doomed += [o.path for o in objects]
-    for pin in store.backend.list(layout.PINS_DIR + "/"):
-        pinned = layout.parse_step_dir(pin.path.rsplit("/", 1)[-1])
-        if pinned not in manifests and pinned not in broken and _old(pin.mtime, cutoff):
-            doomed.append(pin.path)
-    partial = [p for p in store.backend.partial_writes("") if _old(p.started, cutoff)]
+        attempts = _by_attempt(step, objects)
+        marker = layout.manifest_path(step)
+        try:
+            manifest = store._catalog.read_manifest(step)
+        except NotFoundError:
+            manifest = None
+        except (CorruptCheckpointError, CompatibilityError):
+            committed.add(step)  # unreadable: not ours to judge; verify reports it
+            continue
+        listed = {f.key(step) for f in manifest.files} if manifest is not None else set()
+        foreign += [
+            o.path
+            for o in objects
+            if o.path != marker
+            and o.path not in listed
+            and layout.parse_attempt_path(step, o.path) is None
+        ]
+        if manifest is not None:
+            committed.add(step)
+            owners = {f.attempt for f in manifest.files}
+            losers = [o.path for a, files in attempts.items() if a not in owners for o in files]
+            if losers and not dry_run:
+                delete_attempt_files(store.backend, losers)
+            deleted += losers
+            continue
+        tombstone = next((o for o in objects if o.path == marker), None)
+        removed = _removed_attempts(store, step) if tombstone is not None else frozenset()
+        alive = [
+            a
+            for a, files in attempts.items()
+            if a not in removed  # chosen by a remover that died half-way: finish its work
+            and (
+                any(not _old(o.mtime, cutoff) for o in files)
+                or (live_epoch and _marker_epoch(store, step, a) == live_epoch)
+            )
+        ]
+        if alive:
+            kept += [layout.attempt_dir(step, a) for a in attempts]
+        elif attempts and dry_run:
+            deleted += [o.path for files in attempts.values() for o in files]
+        elif attempts:
+            deleted += store._committer.abort_step(step, set(attempts)) or []
+        elif tombstone is not None and _old(tombstone.mtime, tombstone_cutoff):
+            if not dry_run:
+                store._committer.drop_tombstone(step)
+            deleted.append(marker)
+    pins = [
+        pin.path
+        for pin in store.backend.list(layout.PINS_DIR + "/")
+        if _old(pin.mtime, cutoff)
+        and layout.parse_step_dir(pin.path.rsplit("/", 1)[-1]) not in committed
+    ]
+    partial = [
+        p
+        for p in store.backend.partial_writes("")
+        if _old(p.started, cutoff) and not any(p.path.startswith(k + "/") for k in kept)
+    ]
     if not dry_run:
-        store.backend.delete(doomed)
+        store.backend.delete(pins)
         for upload in partial:
             store.backend.abort(upload)
-    return GcReport(tuple(doomed), tuple(p.path for p in partial))
+    return GcReport(
+        tuple(deleted + pins),
+        tuple(p.path for p in partial),
+        foreign=tuple(foreign),
+        kept=tuple(kept),
+    )
+
+
+def _removed_attempts(store: CheckpointStore, step: int) -> frozenset[str]:
+    """The attempts the step's tombstone says were being removed."""
+    try:
+        data = store.backend.read(layout.manifest_path(step))
+    except NotFoundError:
+        return frozenset()
+    return tombstone_attempts(data) or frozenset()
+
+
+def _by_attempt(step: int, objects: Iterable[ObjectInfo]) -> dict[str, list[ObjectInfo]]:
+    """The step's objects that lie in attempt directories, by attempt id."""
+    found: dict[str, list[ObjectInfo]] = {}
+    for obj in objects:
+        attempt = layout.parse_attempt_path(step, obj.path)
+        if attempt is not None:
+            found.setdefault(attempt, []).append(obj)
+    return found
+
+
+def _marker_epoch(store: CheckpointStore, step: int, attempt: str) -> int | None:
+    """The lease epoch an attempt was started under, from its marker; None if unreadable."""
+    try:
+        body = json.loads(store.backend.read(layout.attempt_marker_path(step, attempt)))
+        epoch = body["lease_epoch"]
+    except (NotFoundError, ValueError, KeyError, TypeError):
+        return None
+    return epoch if isinstance(epoch, int) else None
+
+
+def _held_lease_epoch(store: CheckpointStore) -> int | None:
+    """The epoch of the writer lease if someone may hold it now: not released, and not held
+    by a process on this machine that has exited. None otherwise."""
+    try:
+        record, _, _ = read_lease(store.backend)
+    except CheckpointError:
+        return None
+    if record is None or record.released:
+        return None
+    holder = record.process()
+    if holder is not None and Process.current().same_machine(holder) and holder.gone():
+        return None
+    return record.epoch
 
 
 def _old(mtime: float | None, cutoff: float) -> bool:
     return mtime is None or mtime <= cutoff
-
-
-def _verified_reader(
-    committer: Committer, step: int, entry: FileEntry
-) -> Callable[[], list[bytes]]:
-    return lambda: [bytes(committer.read_verified(step, entry))]

@@ -78,6 +78,22 @@ class CheckpointInfo:
 
 
 @dataclass(frozen=True)
+class Loaded:
+    """A loaded state and the step it came from, read together (``load(with_info=True)``)."""
+
+    state: Any
+    info: CheckpointInfo
+
+    @property
+    def step(self) -> int:
+        return self.info.step
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self.info.metadata
+
+
+@dataclass(frozen=True)
 class VerifyReport:
     """What ``verify`` found for one step; ``ok`` when ``problems`` is empty."""
 
@@ -95,3 +111,8 @@ class GcReport:
 
     deleted: tuple[str, ...]
     aborted_uploads: tuple[str, ...]
+    foreign: tuple[str, ...] = ()
+    """Objects in step directories that ckptstore did not write: reported, never deleted."""
+    kept: tuple[str, ...] = ()
+    """Uncommitted attempts left alone because they may still be live (young, or written by
+    the current writer lease holder)."""

@@ -3,15 +3,26 @@
 ::
 
     <root>/latest.json                              the pointer, moved by compare-and-swap
-    <root>/global_step_<N>/<payload files>          verl's naming, so a pulled step drops
-                                                    straight into trainer.default_local_dir
     <root>/global_step_<N>/ckptstore.manifest.json  the commit marker, written last, create-only
+    <root>/global_step_<N>/.attempt-<id>/<files>    one save attempt's payload, verl's names inside
+    <root>/global_step_<N>/.attempt-<id>/.ckptstore-attempt.json   the attempt marker, written first
     <root>/.ckptstore/pins/global_step_<N>          one object per pin (no shared file to race on)
     <root>/.ckptstore/lease.json                    the writer lease (lease.py)
 
 The manifest sits inside its step directory so that deleting or copying a step moves its commit
 marker with it, and so that a listing of step directories plus one GET per step is all it takes
 to know which steps are committed.
+
+Every save attempt writes into a directory of its own, named by a random id that the manifest
+records per file. Two writers of the same step therefore never overwrite each other's bytes: the
+manifest that wins the create-only write describes exactly the bytes it lists, and the loser's
+attempt is garbage that ``gc`` can prove dead. The marker written first tells ``gc`` that the
+directory is ckptstore's (it never touches what it did not write). Manifests of schema 1 list
+files directly under the step directory (``attempt`` is ``None``); they still load.
+
+A *tombstone* may stand at a step's manifest key while ``gc`` or ``discard`` removes the step's
+uncommitted attempts: being create-only, that key admits either a manifest or a tombstone, so no
+commit can slip in between the check for a manifest and the deletion of the files.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ from ckptstore.errors import ConfigError, CorruptCheckpointError
 
 STEP_PREFIX = "global_step_"
 MANIFEST_NAME = "ckptstore.manifest.json"
+ATTEMPT_PREFIX = ".attempt-"
+ATTEMPT_MARKER = ".ckptstore-attempt.json"
 LATEST_NAME = "latest.json"
 META_DIR = ".ckptstore"
 PINS_DIR = f"{META_DIR}/pins"
@@ -35,7 +48,8 @@ incremental save re-uploads only the files whose bytes changed, so small files k
 files), while costing no speed (measured on local disk and S3)."""
 
 _STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]*)$")
-_RESERVED_NAMES = frozenset({MANIFEST_NAME})
+_ATTEMPT_ID = re.compile(r"^[0-9a-f]{16}$")
+_RESERVED_NAMES = frozenset({MANIFEST_NAME, ATTEMPT_MARKER})
 
 
 def step_dir(step: int) -> str:
@@ -46,8 +60,34 @@ def manifest_path(step: int) -> str:
     return f"{step_dir(step)}/{MANIFEST_NAME}"
 
 
-def payload_path(step: int, relpath: str) -> str:
-    return f"{step_dir(step)}/{relpath}"
+def payload_path(step: int, relpath: str, attempt: str | None = None) -> str:
+    """Where a payload file's bytes live: in its attempt's directory (schema 1: directly)."""
+    if attempt is None:
+        return f"{step_dir(step)}/{relpath}"
+    return f"{attempt_dir(step, attempt)}/{relpath}"
+
+
+def attempt_dir(step: int, attempt: str) -> str:
+    return f"{step_dir(step)}/{ATTEMPT_PREFIX}{attempt}"
+
+
+def attempt_marker_path(step: int, attempt: str) -> str:
+    return f"{attempt_dir(step, attempt)}/{ATTEMPT_MARKER}"
+
+
+def check_attempt(attempt: object, *, where: str) -> str:
+    if not isinstance(attempt, str) or not _ATTEMPT_ID.match(attempt):
+        raise CorruptCheckpointError(f"{where}: attempt id {attempt!r} is not 16 hex digits")
+    return attempt
+
+
+def parse_attempt_path(step: int, path: str) -> str | None:
+    """The attempt id of an object path inside step ``step``, or ``None`` if it is in none."""
+    head = f"{step_dir(step)}/{ATTEMPT_PREFIX}"
+    if not path.startswith(head):
+        return None
+    attempt = path[len(head) :].split("/", 1)[0]
+    return attempt if _ATTEMPT_ID.match(attempt) else None
 
 
 def pin_path(step: int) -> str:

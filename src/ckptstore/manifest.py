@@ -1,9 +1,20 @@
-"""Manifest v1: the commit marker of a step and the record of what it holds.
+"""The manifest: the commit marker of a step and the record of what it holds.
 
 A step is committed if and only if its manifest exists. The manifest lists every payload file
 with its size and CRC32C, so a reader can tell a complete, uncorrupted step from anything else
 without trusting the listing. Decoding is strict: an unknown ``schema_version`` or field is an
 error, never a guess, because a misread manifest is how a resume silently loads the wrong bytes.
+
+Schema versions, all of which this module reads (old checkpoints must always load):
+
+* 1: files lie directly in the step directory.
+* 2: each file names its save ``attempt`` (its bytes live in that attempt's directory, so rival
+  writers never share a key); a file may carry a ``sha256`` (always, in signed stores: CRC32C
+  detects accidents, not forgeries); the manifest records the writer's ``lease_epoch``, so a
+  step that a fenced writer committed is recognisable.
+
+A manifest of an older schema keeps its schema and fields when re-encoded (``copy_to`` writes it
+verbatim), so signatures over it stay valid.
 """
 
 from __future__ import annotations
@@ -11,16 +22,23 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any
 
-from ckptstore.errors import CompatibilityError, CorruptCheckpointError
-from ckptstore.layout import check_relpath
+from ckptstore.errors import CompatibilityError, CorruptCheckpointError, NotFoundError
+from ckptstore.layout import check_attempt, check_relpath, payload_path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_FILE_SIZE = 1 << 50  # 1 PiB: larger sizes in a manifest are corruption, not checkpoints
 _CRC = re.compile(r"^[0-9a-f]{8}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_V1_MANIFEST_FIELDS = frozenset(
+    {"step", "created", "kind", "files", "environment", "writer", "metadata", "schema_version"}
+    | {"signature"}
+)
+_V1_FILE_FIELDS = frozenset({"path", "size", "crc32c", "copied_from"})
+TOMBSTONE_KEY = "tombstone"
 
 KIND_STATE = "state"  # written by save(): safetensors shards + a JSON skeleton
 KIND_DIRECTORY = "directory"  # written by push_dir(): arbitrary files, fetched by pull_dir()
@@ -35,9 +53,21 @@ class FileEntry:
     crc32c: str
     copied_from: int | None = None
     """The earlier step this file was copied from unchanged (incremental saves)."""
+    attempt: str | None = None
+    """The save attempt whose directory holds the bytes (``None``: schema 1, the step's)."""
+    sha256: str | None = None
+    """SHA-256 of the bytes as 64 hex digits: written always in signed stores."""
 
     def __post_init__(self) -> None:
         check_relpath(self.path, where="manifest")
+        if self.attempt is not None:
+            check_attempt(self.attempt, where=f"manifest entry {self.path!r}")
+        if self.sha256 is not None and (
+            not isinstance(self.sha256, str) or not _SHA256.match(self.sha256)
+        ):
+            raise CorruptCheckpointError(
+                f"sha256 of {self.path!r} is {self.sha256!r}, expected 64 hex digits"
+            )
         if self.copied_from is not None and (
             isinstance(self.copied_from, bool)
             or not isinstance(self.copied_from, int)
@@ -54,6 +84,10 @@ class FileEntry:
             raise CorruptCheckpointError(
                 f"checksum of {self.path!r} is {self.crc32c!r}, expected 8 hex digits"
             )
+
+    def key(self, step: int) -> str:
+        """The object path of this file's bytes in step ``step``."""
+        return payload_path(step, self.path, self.attempt)
 
 
 @dataclass(frozen=True)
@@ -85,8 +119,14 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     signature: str | None = None
     """``hmac-sha256:<key id>:<hex>`` over :meth:`signed_bytes`, when the writer had a key."""
+    lease_epoch: int = 0
+    """The writer lease epoch it was committed under (lease.py); 0 without a lease."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.lease_epoch, bool) or not isinstance(self.lease_epoch, int):
+            raise CorruptCheckpointError(f"lease_epoch {self.lease_epoch!r} is not an integer")
+        if self.lease_epoch < 0:
+            raise CorruptCheckpointError(f"lease_epoch {self.lease_epoch} is negative")
         if self.signature is not None and not isinstance(self.signature, str):
             raise CorruptCheckpointError("signature is not a string")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
@@ -122,6 +162,11 @@ class Manifest:
         body = asdict(self)
         body["files"] = [asdict(f) for f in self.files]
         body["metadata"] = dict(self.metadata)
+        if self.schema_version == 1:  # exactly the fields it was signed with
+            body = {k: v for k, v in body.items() if k in _V1_MANIFEST_FIELDS}
+            body["files"] = [
+                {k: v for k, v in f.items() if k in _V1_FILE_FIELDS} for f in body["files"]
+            ]
         return body
 
     @classmethod
@@ -136,22 +181,25 @@ class Manifest:
             ) from e
         if not isinstance(body, dict):
             raise CorruptCheckpointError(f"{where}: manifest is not a JSON object")
+        if TOMBSTONE_KEY in body:
+            raise NotFoundError(f"{where}: the step is not committed (its files are being removed)")
         version = body.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in (1, SCHEMA_VERSION) or isinstance(version, bool):
             if isinstance(version, int) and version > SCHEMA_VERSION:
                 raise CompatibilityError(
                     f"{where}: manifest schema_version {version} is newer than this ckptstore "
                     f"reads (up to {SCHEMA_VERSION}); upgrade ckptstore to load it"
                 )
             raise CorruptCheckpointError(
-                f"{where}: manifest schema_version is {version!r}, expected {SCHEMA_VERSION}"
+                f"{where}: manifest schema_version is {version!r}, expected 1 to {SCHEMA_VERSION}"
             )
+        only = (_V1_MANIFEST_FIELDS, _V1_FILE_FIELDS) if version == 1 else (None, None)
         try:
-            _expect_keys(body, cls, where)
+            _expect_keys(body, cls, where, only[0])
             _expect_keys(body["environment"], Environment, f"{where} environment")
             files = []
             for f in body["files"]:
-                _expect_keys(f, FileEntry, f"{where} file entry")
+                _expect_keys(f, FileEntry, f"{where} file entry", only[1])
                 files.append(FileEntry(**f))
             if not isinstance(body["metadata"], dict):
                 raise CorruptCheckpointError(f"{where}: metadata is not an object")
@@ -166,11 +214,38 @@ class Manifest:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from e
 
 
-def _expect_keys(body: object, kind: type, where: str) -> None:
+def encode_tombstone(writer: str, time: float, attempts: Iterable[str]) -> bytes:
+    """What stands at a step's manifest key once its files are being removed: who removes it,
+    and which save attempts (only those: a save that began later may commit over it)."""
+    body = {TOMBSTONE_KEY: 1, "writer": writer, "time": time, "attempts": sorted(attempts)}
+    return json.dumps(body, sort_keys=True).encode()
+
+
+def tombstone_attempts(data: bytes) -> frozenset[str] | None:
+    """The attempts a tombstone removes, or ``None`` if ``data`` is not a tombstone."""
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(body, dict) or TOMBSTONE_KEY not in body:
+        return None
+    attempts = body.get("attempts")
+    return (
+        frozenset(a for a in attempts if isinstance(a, str))
+        if isinstance(attempts, list)
+        else frozenset()
+    )
+
+
+def is_tombstone(data: bytes) -> bool:
+    return tombstone_attempts(data) is not None
+
+
+def _expect_keys(body: object, kind: type, where: str, only: frozenset[str] | None = None) -> None:
     if not isinstance(body, dict):
         raise CorruptCheckpointError(f"{where} is not a JSON object")
     fields = kind.__dataclass_fields__.values()  # type: ignore[attr-defined]
-    allowed = {f.name for f in fields}
+    allowed = {f.name for f in fields} & (only if only is not None else {f.name for f in fields})
     required = {f.name for f in fields if f.default is MISSING and f.default_factory is MISSING}
     if not required <= set(body) <= allowed:
         missing, unknown = required - set(body), set(body) - allowed

@@ -4,20 +4,27 @@ verl's own loaders unpickle ``.pt`` files, and any loader trusts the manifest's 
 whoever can write to the bucket could plant a step that a resume then executes. With a signing
 key (HMAC-SHA256, from the constructor or from ``CKPTSTORE_SIGNING_KEY`` /
 ``CKPTSTORE_SIGNING_KEY_FILE``), every manifest a store writes carries a signature over all of
-its fields, payload checksums included, and a store that has a key refuses any step whose
-manifest is unsigned or signed with another key. The refusal is a
-:class:`~ckptstore.errors.UntrustedCheckpointError`, a kind of corruption, so ``load()`` falls
-back to the newest step that is signed correctly and says so.
+its fields, and a store that has a key refuses any step whose manifest is unsigned or signed
+with another key. The refusal is a :class:`~ckptstore.errors.UntrustedCheckpointError`, a kind
+of corruption, so ``load()`` falls back to the newest step that is signed correctly.
+
+A signature over CRC32Cs alone would protect nothing: CRC32C is linear, and four chosen bytes
+make any change keep it. So a signed manifest (schema 2) must carry a SHA-256 of every file,
+computed while the bytes stream out, and loads check it. Manifests signed before digests
+existed (schema 1) still load, with a warning that their bytes are covered by CRC32C only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from dataclasses import replace
 
 from ckptstore.errors import ConfigError, UntrustedCheckpointError
 from ckptstore.manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 _SCHEME = "hmac-sha256"
 
@@ -32,6 +39,7 @@ class Signer:
                 "`openssl rand -hex 32` and put it in CKPTSTORE_SIGNING_KEY)"
             )
         self._key = key
+        self._warned: set[str] = set()
         self.key_id = hashlib.sha256(b"ckptstore-key-id:" + key).hexdigest()[:12]
         """Names the key in signatures and messages without revealing it."""
 
@@ -60,6 +68,20 @@ class Signer:
             raise UntrustedCheckpointError(
                 f"{where}: the manifest's signature does not match its contents (key id "
                 f"{key_id}); it was altered after signing. Refusing it"
+            )
+        undigested = [f.path for f in manifest.files if f.sha256 is None]
+        if undigested and manifest.schema_version >= 2:
+            raise UntrustedCheckpointError(
+                f"{where}: the manifest is signed but lists no SHA-256 for {undigested[0]!r}; "
+                "its bytes would be unprotected. Refusing it; save the step again with the key "
+                "set on every process that stages files"
+            )
+        if undigested and where not in self._warned:
+            self._warned.add(where)
+            log.warning(
+                "%s was signed before SHA-256 digests (manifest schema 1): its payload bytes "
+                "are checked by CRC32C only, which a forger can match. Re-save it to protect it",
+                where,
             )
 
     def _mac(self, manifest: Manifest) -> str:

@@ -8,6 +8,7 @@ manifest. It knows nothing of HTTP or file descriptors; backends do.
 from __future__ import annotations
 
 import builtins
+import itertools
 import json
 import logging
 import os
@@ -18,12 +19,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from ckptstore import housekeeping, layout
 from ckptstore.backends.base import Backend, join
 from ckptstore.backends.registry import open_backend
 from ckptstore.background import BackgroundSaver, SaveHandle
+from ckptstore.catalog import Catalog
 from ckptstore.commit import Committer, Progress, SourceFile, iter_file
 from ckptstore.compat import check_compat, check_mode, current_environment
 from ckptstore.config import key_bytes, signing_key_from_env
@@ -36,10 +38,11 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
-from ckptstore.info import CheckpointInfo, GcReport, SaveStats, VerifyReport
-from ckptstore.lease import WriterLease
+from ckptstore.info import CheckpointInfo, GcReport, Loaded, SaveStats, VerifyReport
+from ckptstore.lease import DEFAULT_TTL, WriterLease, check_ttl
 from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry, Manifest
 from ckptstore.metrics import SaveObserver
+from ckptstore.pointer import Pointer
 from ckptstore.retention import RetentionPolicy
 from ckptstore.signing import Signer
 from ckptstore.transfer import download_dir, scan_dir
@@ -69,6 +72,7 @@ class CheckpointStore:
         incremental: bool = True,
         lease: bool = True,
         takeover: bool = False,
+        lease_ttl: float = DEFAULT_TTL,
         signing_key: bytes | str | None = None,
         backend: Backend | None = None,
         clock: Callable[[], float] = time.time,
@@ -86,13 +90,16 @@ class CheckpointStore:
         self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         key = key_bytes(signing_key) if signing_key is not None else signing_key_from_env()
         self.signer = Signer(key) if key is not None else None
+        self._catalog = Catalog(self.backend, signer=self.signer)
         self._committer = Committer(
-            self.backend, writer=self.writer, clock=clock, signer=self.signer
+            self.backend, writer=self.writer, clock=clock, signer=self.signer, catalog=self._catalog
         )
+        check_ttl(lease_ttl)  # also without a lease: a typo should not wait for lease=True
         self._lease = (
             WriterLease(
                 self.backend,
                 self.writer,
+                ttl=lease_ttl,
                 takeover=takeover,
                 clock=clock,
                 on_takeover=self._committer.stamp_latest,
@@ -100,6 +107,10 @@ class CheckpointStore:
             if lease
             else None
         )
+        if self._lease is not None:
+            self._lease.release_when_collected(self)  # a dropped store lets the lease go
+            if takeover:
+                self._lease.hold()  # fence the old holder now, before this job loads anything
         self._environment: Environment | None = None
         self.incremental = incremental
         self.last_loaded: CheckpointInfo | None = None
@@ -221,11 +232,7 @@ class CheckpointStore:
         started = time.perf_counter()
         try:
             self.hold_lease()  # fail before uploading anything if another writer holds the store
-            try:
-                entries = self.stage_files(step, files, kind=kind, progress=progress)
-            except BaseException:
-                self.discard(step)
-                raise
+            entries = self.stage_files(step, files, kind=kind, progress=progress)
             return self.commit_files(
                 step, entries, kind=kind, metadata=metadata, _timing=(started, blocked)
             )
@@ -248,17 +255,47 @@ class CheckpointStore:
 
         The building block of multi-process saves: every rank or node stages its own files
         (paths must not collide), then one process passes all entries to ``commit_files``.
-        Files unchanged since the latest step (same path, size and CRC32C) are copied
-        server-side instead of uploaded when the store is ``incremental``.
+        Files unchanged since the latest step (same path, size and checksum) are copied
+        server-side instead of uploaded when the store is ``incremental``. Each call writes
+        into an attempt directory of its own, so callers never collide on a key.
         """
         step = layout.check_step(step)
-        if self.backend.stat(layout.manifest_path(step)) is not None:
-            raise ConflictError(
-                f"step {step} is already committed in {self.uri}; committed steps are "
-                "immutable. Save under a new step, or `ckptstore rm` it first"
-            )
+        self._check_step_is_free(step)
         previous = self._previous_manifest(kind) if self.incremental else None
-        return self._committer.write_payload(step, files, progress, previous=previous)
+        epoch = self._lease.epoch or 0 if self._lease is not None else 0
+        return self._committer.write_payload(step, files, progress, previous=previous, epoch=epoch)
+
+    def _check_step_is_free(self, step: int) -> None:
+        """Refuse a committed step before uploading anything; remove a step that a writer
+        fenced off by a lease takeover committed (pointer.py), since it is never loaded."""
+        if self.backend.stat(layout.manifest_path(step)) is None:
+            return
+        try:
+            manifest = self._catalog.read_manifest(step)
+        except NotFoundError:
+            return  # a tombstone: the step was removed, and may be saved anew (commit.py)
+        except (CorruptCheckpointError, CompatibilityError):
+            manifest = None
+        pointer = self._pointer_or_none()
+        if (
+            manifest is not None
+            and pointer is not None
+            and pointer.fenced(step, manifest.lease_epoch)
+        ):
+            log.warning(
+                "%s: removing step %d, committed by %s after it lost the writer lease (epoch "
+                "%d); saving it anew",
+                self.uri,
+                step,
+                manifest.writer,
+                manifest.lease_epoch,
+            )
+            self._committer.uncommit(step)
+            return
+        raise ConflictError(
+            f"step {step} is already committed in {self.uri}; committed steps are "
+            "immutable. Save under a new step, or `ckptstore rm` it first"
+        )
 
     def commit_files(
         self,
@@ -289,10 +326,11 @@ class CheckpointStore:
                 environment=environment,
                 writer=self.writer,
                 metadata=_check_metadata(metadata),
+                lease_epoch=epoch,
             )
             manifest = self._committer.commit(manifest)
         except BaseException:
-            self.discard(step)
+            self._committer.discard_attempts(step, {e.attempt for e in entries if e.attempt})
             raise
         self._committer.advance_latest(step, epoch=epoch)
         stats = SaveStats.of(manifest, time.perf_counter() - started, blocked)
@@ -311,10 +349,11 @@ class CheckpointStore:
             log.warning("%s: the save observer raised %r; ignored", self.uri, e)
 
     def discard(self, step: int) -> None:
-        """Remove the staged files of an uncommitted ``step`` (never a committed one)."""
+        """Remove every staged file of an uncommitted ``step`` (never a committed one's), for
+        a coordinator whose ranks staged files it will not commit. A rival writer of the same
+        step, if any, fails to commit with a clear error while this runs."""
         try:
-            if self.backend.stat(layout.manifest_path(step)) is None:
-                self._committer.delete_prefix(layout.step_dir(step) + "/")
+            self._committer.abort_step(layout.check_step(step), keep_tombstone=False)
         except CheckpointError as e:
             log.warning("could not clean up uncommitted step %d (gc will): %s", step, e)
 
@@ -325,10 +364,10 @@ class CheckpointStore:
     def _previous_manifest(self, kind: str) -> Manifest | None:
         """The latest step's manifest, whose unchanged files a save copies instead of uploading."""
         try:
-            pointer, _ = self._committer.read_pointer()
-            if pointer is None:
+            pointer, _ = self._catalog.read_pointer()
+            if pointer is None or pointer.step is None:
                 return None
-            manifest = self._committer.read_manifest(pointer.step)
+            manifest = self._catalog.read_manifest(pointer.step)
         except (NotFoundError, CorruptCheckpointError, CompatibilityError) as e:
             log.debug("no previous step to reuse files from: %s", e)
             return None
@@ -351,7 +390,7 @@ class CheckpointStore:
 
     def info(self, step: int) -> CheckpointInfo:
         """The committed step's info; NotFoundError if it is not committed."""
-        return self._info(self._committer.read_manifest(layout.check_step(step)))
+        return self._info(self._catalog.read_manifest(layout.check_step(step)))
 
     def _info(self, manifest: Manifest, stats: SaveStats | None = None) -> CheckpointInfo:
         return CheckpointInfo(join(self.uri, layout.step_dir(manifest.step)), manifest, stats)
@@ -365,12 +404,13 @@ class CheckpointStore:
         """
         pointer = None
         try:
-            pointer, _ = self._committer.read_pointer()
-            if pointer is not None:
-                return self._committed_after(pointer.step) or self.info(pointer.step)
+            pointer, _ = self._catalog.read_pointer()
+            if pointer is not None and pointer.step is not None:
+                newer = self._committed_after(pointer)
+                return newer or self.info(pointer.step)
         except (NotFoundError, CorruptCheckpointError) as e:
             log.warning("%s: latest pointer is unusable (%s); falling back to listing", self.uri, e)
-        infos = self.list()
+        infos = [i for i in self.list() if not _fenced(pointer, i)]
         if infos and pointer is None:
             log.warning(
                 "%s: no %s, but committed steps exist; using the newest, %d",
@@ -380,19 +420,31 @@ class CheckpointStore:
             )
         return infos[-1] if infos else None
 
-    def _committed_after(self, step: int) -> CheckpointInfo | None:
+    def _committed_after(self, pointer: Pointer) -> CheckpointInfo | None:
         """The newest committed step past a stale pointer's, if any (one listing).
 
         A writer killed between its commit and moving ``latest`` leaves one; resuming from the
-        pointer would then save that step again and fail. Manifests are the truth.
+        pointer would then save that step again and fail. Manifests are the truth, except a
+        step that a writer committed after it lost the lease (pointer.py): never latest.
         """
-        for newer in reversed([s for s in self._committer.step_dirs() if s > step]):
+        step = pointer.step if pointer.step is not None else -1
+        for newer in reversed([s for s in self._catalog.step_dirs() if s > step]):
             try:
                 info = self.info(newer)
             except NotFoundError:
                 continue  # a save in flight, or garbage for gc
             except (CorruptCheckpointError, CompatibilityError) as e:
                 log.warning("step %d has an unreadable manifest: %s", newer, e)
+                continue
+            if _fenced(pointer, info):
+                log.warning(
+                    "%s: step %d was committed by %s after it lost the writer lease (epoch "
+                    "%d); ignoring it (ckptstore rm removes it)",
+                    self.uri,
+                    newer,
+                    info.manifest.writer,
+                    info.manifest.lease_epoch,
+                )
                 continue
             log.warning(
                 "%s: %s is at step %d, but step %d is committed (its writer stopped before "
@@ -418,13 +470,13 @@ class CheckpointStore:
 
         def read(step: int) -> Manifest | CheckpointError | None:
             try:
-                return self._committer.read_manifest(step)
+                return self._catalog.read_manifest(step)
             except NotFoundError:
                 return None  # a directory without a manifest: not committed
             except (CorruptCheckpointError, CompatibilityError) as e:
                 return e
 
-        steps = self._committer.step_dirs()
+        steps = self._catalog.step_dirs()
         with ThreadPoolExecutor(16, thread_name_prefix="ckpt-scan") as pool:
             results = list(pool.map(read, steps))
         committed = [r for r in results if isinstance(r, Manifest)]
@@ -433,16 +485,44 @@ class CheckpointStore:
         }
         return committed, broken
 
+    @overload
     def load(
-        self, step: int | None = None, *, fallback: bool = True, allow_pickle: bool = False
+        self,
+        step: int | None = None,
+        *,
+        fallback: bool = True,
+        allow_pickle: bool = False,
+        with_info: Literal[False] = False,
+    ) -> Any: ...
+
+    @overload
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        fallback: bool = True,
+        allow_pickle: bool = False,
+        with_info: Literal[True],
+    ) -> Loaded: ...
+
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        fallback: bool = True,
+        allow_pickle: bool = False,
+        with_info: bool = False,
     ) -> Any:
         """The state saved as ``step`` (default: latest), every byte verified.
 
         With no ``step`` and ``fallback``, a latest step that fails verification is skipped
         with a warning for the newest older one that passes; never silently none at all.
+        ``with_info=True`` returns :class:`~ckptstore.info.Loaded`, the state together with
+        the info of the step it came from (``.step``, ``.metadata``): a separate ``latest()``
+        call may name another step if a writer commits in between.
         """
-        info = self._resolve(step, fallback, lambda i: self._load(i, allow_pickle))
-        return info[1]
+        info, state = self._resolve(step, fallback, lambda i: self._load(i, allow_pickle))
+        return Loaded(state, info) if with_info else state
 
     def _load(self, info: CheckpointInfo, allow_pickle: bool) -> Any:
         if info.manifest.kind != KIND_STATE:
@@ -471,11 +551,15 @@ class CheckpointStore:
             entry = info.manifest.file(path)
         except KeyError as e:
             raise NotFoundError(f"{info.uri} has no file {path!r} in its manifest") from e
-        return self._committer.read_verified(info.step, entry)
+        return self._catalog.read_verified(info.step, entry)
 
     def _read_all(self, info: CheckpointInfo) -> dict[str, memoryview]:
+        sizes = self._catalog.payload_sizes(info.step)  # one listing checks every size
+
         def read(entry: FileEntry) -> memoryview:
-            return self._committer.read_verified(info.step, entry)
+            return self._catalog.read_verified(
+                info.step, entry, actual_size=sizes.get(entry.key(info.step), -1)
+            )
 
         with ThreadPoolExecutor(8, thread_name_prefix="ckpt-read") as pool:
             return dict(zip((f.path for f in info.files), pool.map(read, info.files), strict=True))
@@ -493,7 +577,7 @@ class CheckpointStore:
 
         def pull(info: CheckpointInfo) -> None:
             def read(entry: FileEntry) -> memoryview:
-                data = self._committer.read_verified(info.step, entry)
+                data = self._catalog.read_verified(info.step, entry)
                 if progress:
                     progress(entry.size)
                 return data
@@ -517,8 +601,11 @@ class CheckpointStore:
             )
         candidates: Iterator[CheckpointInfo] = iter([latest])
         if fallback:
-            older = (i for i in reversed(self.list()) if i.step < latest.step)
-            candidates = _chain([latest], older)
+            pointer = self._pointer_or_none()
+            older = (
+                i for i in reversed(self.list()) if i.step < latest.step and not _fenced(pointer, i)
+            )
+            candidates = itertools.chain([latest], older)
         failures: builtins.list[str] = []
         for info in candidates:
             try:
@@ -531,6 +618,18 @@ class CheckpointStore:
         raise CorruptCheckpointError(
             f"{self.uri}: no committed step passed verification:\n  " + "\n  ".join(failures)
         )
+
+    def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
+        """Committed steps (of ``infos``, default all) that a writer committed after it lost
+        the writer lease: never returned by ``latest()``/``load()``; ``delete`` removes them."""
+        pointer = self._pointer_or_none()
+        return [i.step for i in (self.list() if infos is None else infos) if _fenced(pointer, i)]
+
+    def _pointer_or_none(self) -> Pointer | None:
+        try:
+            return self._catalog.read_pointer()[0]
+        except CorruptCheckpointError:
+            return None
 
     # -- housekeeping (see housekeeping.py) -------------------------------------------------
 
@@ -577,9 +676,9 @@ class CheckpointStore:
         return housekeeping.gc(self, dry_run, older_than)
 
 
-def _chain(first: Iterable[T], rest: Iterable[T]) -> Iterator[T]:
-    yield from first
-    yield from rest
+def _fenced(pointer: Pointer | None, info: CheckpointInfo) -> bool:
+    """Whether ``info`` was committed by a writer that had lost the lease (pointer.py)."""
+    return pointer is not None and pointer.fenced(info.step, info.manifest.lease_epoch)
 
 
 def _file_reader(path: Path) -> Callable[[], Iterator[bytes]]:

@@ -2,7 +2,8 @@
 
 ``scan_dir`` decides which local files a push takes: regular files, and symlinks only while
 they resolve inside the directory (a link to ``/etc`` or ``~/.aws`` would otherwise upload
-secrets). ``download_dir`` writes each file to a temp name and renames it into place, after
+secrets). ``download_dir`` writes each file with the local backend's atomic write (temp name,
+fsync, rename, directory fsync: :func:`~ckptstore.backends.fsutil.atomic_write`), after
 checking the target stays inside the destination, so a hostile manifest cannot write outside
 it and an interrupted pull never leaves a half-written file under its real name.
 """
@@ -10,11 +11,11 @@ it and an interrupted pull never leaves a half-written file under its real name.
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ckptstore.backends.fsutil import atomic_write
 from ckptstore.errors import ConfigError, CorruptCheckpointError
 from ckptstore.manifest import FileEntry
 
@@ -60,16 +61,7 @@ def download_dir(
             )
         data = read(entry)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".ckpt-tmp-{uuid.uuid4().hex[:12]}-{dest.name}"[:255])
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        atomic_write(dest, [data])
 
     with ThreadPoolExecutor(PULL_WORKERS, thread_name_prefix="ckpt-pull") as pool:
         list(pool.map(fetch, list(entries)))

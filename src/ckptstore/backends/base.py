@@ -1,10 +1,10 @@
-"""The small protocol every storage backend implements.
+"""The backend protocol, and the base class that implements most of it.
 
 Backends move bytes; they know nothing of steps, manifests or retention. Paths are relative to
 the backend's root, ``/``-separated, never starting with ``/``. Each backend translates its own
-library's errors into :mod:`ckptstore.errors` once, here at the boundary.
+library's errors into :mod:`ckptstore.errors` once, at its boundary.
 
-The protocol is deliberately small. Three writes carry the commit protocol:
+Three writes carry the commit protocol:
 
 * ``write``: the object appears whole or not at all (tmp+rename locally, one PUT or one
   CompleteMultipartUpload on S3); a failed write leaves nothing a reader can see.
@@ -13,16 +13,36 @@ The protocol is deliberately small. Three writes carry the commit protocol:
 * ``swap``: compare-and-swap against the version token ``read_versioned`` returned (``None``:
   the object must not exist). The ``latest`` pointer moves with it.
 
-Where a server cannot make ``create`` or ``swap`` atomic, the backend says so in its
-:class:`Capabilities`, falls back to the safest protocol it has, and warns once.
+:class:`Backend` is the protocol callers type against (structural, so a wrapper or a fake needs
+no base class). :class:`BaseBackend` is what a backend subclasses: it derives the convenience
+members from the essential ones, so a new backend implements ``uri``, ``capabilities``,
+``read``, ``read_versioned``, ``write``, ``stat``, ``list`` and ``delete``, plus ``create`` and
+``swap`` only where its server has conditional writes. Without them the base gives the one
+check-then-write fallback every such backend shares (create: check absent, write, read back
+and compare; swap: check the version, write, read back), serialized by a lock, so it is atomic
+against writers in this process only; the backend says so in its :class:`Capabilities` and the
+first such write warns once. A backend that has a cheaper version check or a write that returns
+its new version overrides :meth:`BaseBackend._is_current` or :meth:`BaseBackend._put_versioned`.
+
+:class:`BackendProxy` delegates every member to another backend, so a wrapper (fault
+injection, request counting) overrides only what it changes.
 """
 
 from __future__ import annotations
 
+import abc
 import builtins
+import logging
+import threading
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from ckptstore.errors import NotFoundError, ObjectExistsError, PreconditionFailedError
+
+logger = logging.getLogger(__name__)
+_WARN_LOCK = threading.Lock()
 
 Chunk = bytes | bytearray | memoryview
 """A piece of an object's content; backends must not keep a reference after the call returns."""
@@ -137,6 +157,236 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release clients and threads."""
         ...
+
+
+class BaseBackend(abc.ABC):
+    """What a backend subclasses: the essential members are abstract, the rest have defaults.
+
+    Subclasses call ``super().__init__()``. See the module docstring for what to implement.
+    """
+
+    def __init__(self) -> None:
+        self._fallback_lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    # -- to implement -----------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def uri(self) -> str:
+        """The root URI, for messages (never contains credentials)."""
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this backend guarantees; may probe the server on first use."""
+
+    @abc.abstractmethod
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of an object; raises NotFoundError if it is missing."""
+
+    @abc.abstractmethod
+    def read_versioned(self, path: str) -> tuple[bytes, str]:
+        """The whole object and a version token for ``swap``."""
+
+    @abc.abstractmethod
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        """Store an object atomically (replacing any old one); returns its size."""
+
+    @abc.abstractmethod
+    def stat(self, path: str) -> ObjectInfo | None:
+        """The object's info, or ``None`` if (and only if) it does not exist."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose path starts with ``prefix``, recursively, in no set order."""
+
+    @abc.abstractmethod
+    def delete(self, paths: Sequence[str]) -> None:
+        """Delete objects; a path that is already gone is not an error."""
+
+    # -- conditional writes: override where the server has them -------------------------------
+
+    def create(self, path: str, data: bytes) -> None:
+        """Check-then-write (atomic within this process only); warns once."""
+        self._warn_not_atomic()
+        self._fallback_create(path, data)
+
+    def swap(self, path: str, data: bytes, expected: str | None) -> str:
+        """Check-then-write (atomic within this process only); warns once."""
+        self._warn_not_atomic()
+        return self._fallback_swap(path, data, expected)
+
+    # -- defaults -----------------------------------------------------------------------------
+
+    def read_into(self, path: str, out: memoryview) -> int:
+        """``stat``, then one ``read`` of ``len(out)`` bytes copied into ``out``."""
+        info = self.stat(path)
+        if info is None:
+            raise NotFoundError(f"{join(self.uri, path)} does not exist (while trying to read it)")
+        if len(out):
+            data = self.read(path, 0, len(out))
+            out[: len(data)] = data
+        return info.size
+
+    def copy(self, src: str, dst: str) -> None:
+        """Read the whole object, write it again: override where objects are large."""
+        self.write(dst, [self.read(src)])
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        """From ``list``: one pass over everything below ``prefix``; override where the server
+        can list one level (a delimiter, a directory listing)."""
+        base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+        names: set[str] = set()
+        for info in self.list(base):
+            head, slash, _ = info.path[len(base) :].partition("/")
+            if slash and head:
+                names.add(head)
+        return sorted(names)
+
+    def partial_writes(self, prefix: str) -> builtins.list[PartialWrite]:
+        """None: a backend whose writes can leave remains overrides this and ``abort``."""
+        return []
+
+    def abort(self, partial: PartialWrite) -> None:
+        """Nothing to remove."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release."""
+        return None
+
+    # -- the shared check-then-write fallback -------------------------------------------------
+
+    def _fallback_create(self, path: str, data: bytes) -> None:
+        """Check absent, write, read back: a writer in another process that writes between our
+        check and our write makes one of us fail on the read-back, but one whose read-back ran
+        before the other's write may believe it won."""
+        with self._fallback_lock:
+            if self.stat(path) is not None:
+                raise self._exists_error(path)
+            self.write(path, [data])
+            if self.read(path) != data:
+                raise ObjectExistsError(
+                    f"{join(self.uri, path)} was written concurrently by another writer, whose "
+                    "version won; this one was not committed"
+                )
+
+    def _fallback_swap(self, path: str, data: bytes, expected: str | None) -> str:
+        """Check the version, write: a swap by another process in between is lost."""
+        with self._fallback_lock:
+            if not self._is_current(path, expected):
+                raise self._changed_error(path, expected)
+            return self._put_versioned(path, data)
+
+    def _is_current(self, path: str, expected: str | None) -> bool:
+        """Whether the object is still at version ``expected`` (``None``: absent)."""
+        try:
+            current: str | None = self.read_versioned(path)[1]
+        except NotFoundError:
+            current = None
+        return current == expected
+
+    def _put_versioned(self, path: str, data: bytes) -> str:
+        """Write ``data`` and return its version token: here by reading it back."""
+        self.write(path, [data])
+        back, version = self.read_versioned(path)
+        if back != data:
+            raise PreconditionFailedError(
+                f"{join(self.uri, path)} was written concurrently by another writer, whose "
+                "version won; read it again and retry"
+            )
+        return version
+
+    def _exists_error(self, path: str) -> ObjectExistsError:
+        return ObjectExistsError(
+            f"{join(self.uri, path)} already exists: another writer created it first; it was "
+            "not overwritten"
+        )
+
+    def _changed_error(self, path: str, expected: str | None) -> PreconditionFailedError:
+        want = "to be absent" if expected is None else f"at version {expected}"
+        return PreconditionFailedError(
+            f"{join(self.uri, path)} changed since it was read (expected it {want}); another "
+            "writer moved it: read it again and retry"
+        )
+
+    def _warn_not_atomic(self) -> None:
+        self._warn_once(
+            "conditional-writes",
+            f"{self.uri}: this storage has no create-if-absent or compare-and-swap across "
+            "processes, so committing steps and moving `latest` are safe against writers in "
+            "this process only; use one writing process per store.",
+        )
+
+    def _warn_once(self, topic: str, message: str) -> None:
+        """Log and warn about a lost guarantee once per backend instance and topic."""
+        with _WARN_LOCK:
+            if topic in self._warned:
+                return
+            self._warned.add(topic)
+        logger.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+class BackendProxy:
+    """Every member delegated to ``inner``: subclass it and override only what you change."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+
+    @property
+    def uri(self) -> str:
+        return self.inner.uri
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        return self.inner.read(path, start, end)
+
+    def read_into(self, path: str, out: memoryview) -> int:
+        return self.inner.read_into(path, out)
+
+    def read_versioned(self, path: str) -> tuple[bytes, str]:
+        return self.inner.read_versioned(path)
+
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        return self.inner.write(path, chunks)
+
+    def create(self, path: str, data: bytes) -> None:
+        self.inner.create(path, data)
+
+    def swap(self, path: str, data: bytes, expected: str | None) -> str:
+        return self.inner.swap(path, data, expected)
+
+    def copy(self, src: str, dst: str) -> None:
+        self.inner.copy(src, dst)
+
+    def stat(self, path: str) -> ObjectInfo | None:
+        return self.inner.stat(path)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        return self.inner.list_dirs(prefix)
+
+    def delete(self, paths: Sequence[str]) -> None:
+        self.inner.delete(paths)
+
+    def partial_writes(self, prefix: str) -> builtins.list[PartialWrite]:
+        return self.inner.partial_writes(prefix)
+
+    def abort(self, partial: PartialWrite) -> None:
+        self.inner.abort(partial)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
 
 
 def join(root: str, *parts: str) -> str:

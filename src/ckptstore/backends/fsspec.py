@@ -7,9 +7,9 @@ so they are written under a hidden temp name (``.ckpt-tmp-...``) and moved into 
 temp is a partial write that ``gc`` removes.
 
 fsspec offers no create-if-absent or compare-and-swap that holds across processes on every
-filesystem, so ``create`` and ``swap`` check, then write, under a lock: atomic within this
-process only. Capabilities say so, and the first create or swap warns once. Swap's version token
-is a SHA-256 of the content.
+filesystem, so ``create`` and ``swap`` are the base class's check-then-write fallback: atomic
+within this process only. Capabilities say so, and the first create or swap warns once. Swap's
+version token is a SHA-256 of the content.
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import hashlib
-import logging
-import threading
-import uuid
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -29,25 +25,16 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
-from ckptstore.backends.base import Capabilities, Chunk, ObjectInfo, PartialWrite
-from ckptstore.errors import (
-    AccessDeniedError,
-    BackendError,
-    ConfigError,
-    NotFoundError,
-    ObjectExistsError,
-    PreconditionFailedError,
-)
-
-logger = logging.getLogger(__name__)
-
-TMP_PREFIX = ".ckpt-tmp-"
+from ckptstore.backends.base import BaseBackend, Capabilities, Chunk, ObjectInfo, PartialWrite
+from ckptstore.backends.fsutil import TMP_PREFIX, temp_name
+from ckptstore.errors import AccessDeniedError, BackendError, ConfigError, NotFoundError
 
 
-class FsspecBackend:
+class FsspecBackend(BaseBackend):
     """Objects under any fsspec URL; create and swap are atomic within one process only."""
 
     def __init__(self, uri: str, storage_options: Mapping[str, Any]) -> None:
+        super().__init__()
         parts = urlsplit(uri)
         netloc = parts.netloc.rpartition("@")[2]  # messages never show user:password@
         self._uri = urlunsplit((parts.scheme, netloc, parts.path, "", "")).rstrip("/")
@@ -62,8 +49,6 @@ class FsspecBackend:
             raise ConfigError(f"cannot open {self._uri}: {e}") from e
         self.fs: AbstractFileSystem = fs
         self._root = str(root).rstrip("/")
-        self._lock = threading.Lock()
-        self._warned = False
 
     def __repr__(self) -> str:
         return f"FsspecBackend({self._uri!r})"
@@ -91,21 +76,19 @@ class FsspecBackend:
             data: bytes = self.fs.cat_file(self._full(path), start=start or None, end=end)
             return data
 
-    def read_into(self, path: str, out: memoryview) -> int:
-        with self._translated(path, "read"):
-            size = int(self.fs.info(self._full(path))["size"])
-            data = self.fs.cat_file(self._full(path), start=0, end=min(len(out), size))
-            out[: len(data)] = data
-            return size
-
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         data = self.read(path)
         return data, _token(data)
 
+    def _put_versioned(self, path: str, data: bytes) -> str:
+        """For the fallback swap: the token is the content's hash, known without a read."""
+        self.write(path, [data])
+        return _token(data)
+
     def write(self, path: str, chunks: Iterable[Chunk]) -> int:
         full = self._full(path)
         parent, slash, name = full.rpartition("/")
-        tmp = f"{parent}{slash}{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}"
+        tmp = f"{parent}{slash}{temp_name(name)}"
         with self._translated(path, "write"):
             f = self._open_for_write(tmp)
             if isinstance(f, AbstractBufferedFile):  # commits on close: write in place
@@ -127,32 +110,6 @@ class FsspecBackend:
         except FileNotFoundError:  # filesystems with real directories (sftp, hdfs)
             self.fs.makedirs(full.rpartition("/")[0], exist_ok=True)
             return self.fs.open(full, "wb")
-
-    def create(self, path: str, data: bytes) -> None:
-        self._warn_once()
-        with self._lock:
-            if self.stat(path) is not None:
-                raise ObjectExistsError(
-                    f"{self._name(path)} already exists: another writer created it first; it "
-                    "was not overwritten"
-                )
-            self.write(path, [data])
-
-    def swap(self, path: str, data: bytes, expected: str | None) -> str:
-        self._warn_once()
-        with self._lock:
-            try:
-                current: str | None = self.read_versioned(path)[1]
-            except NotFoundError:
-                current = None
-            if current != expected:
-                want = "to be absent" if expected is None else f"at version {expected}"
-                raise PreconditionFailedError(
-                    f"{self._name(path)} changed since it was read (expected it {want}); "
-                    "read it again and retry"
-                )
-            self.write(path, [data])
-            return _token(data)
 
     def copy(self, src: str, dst: str) -> None:
         with self._translated(src, "copy"):
@@ -219,25 +176,10 @@ class FsspecBackend:
     def abort(self, partial: PartialWrite) -> None:
         self.delete([partial.path])
 
-    def close(self) -> None:
-        """Nothing to release: fsspec owns and caches its filesystem instances."""
-
     def _relative(self, name: str) -> str:
         stripped = self.fs._strip_protocol(name)
         root = self.fs._strip_protocol(self._root) if self._root else ""
         return str(stripped)[len(root) :].lstrip("/") if root else str(stripped).lstrip("/")
-
-    def _warn_once(self) -> None:
-        if self._warned:
-            return
-        self._warned = True
-        message = (
-            f"{self._uri}: this filesystem has no create-if-absent or compare-and-swap across "
-            "processes, so committing steps and moving `latest` are safe against writers in "
-            "this process only; use one writing process per store."
-        )
-        logger.warning("%s", message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     @contextlib.contextmanager
     def _translated(self, path: str, action: str) -> Iterator[None]:

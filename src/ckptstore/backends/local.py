@@ -1,12 +1,13 @@
 """Local disks and NFS mounts.
 
-Every object is written to a temp file in its own directory, fsynced, renamed into place, and
-the directory fsynced, so a crash leaves either the old object or the new one, never a torn one
-(the rename is atomic on POSIX, also on NFS, because source and target share a directory; a
-``shutil.move`` across devices would be a copy). Create-only writes link the finished temp file
-to its name: ``link`` fails if the name exists, so the commit marker appears whole and exactly
-once. Compare-and-swap holds an ``flock`` on a sidecar lock file (NFSv4 carries it to the
-server) while it checks the version token (inode, mtime, size) and renames.
+Every object is written with :func:`~ckptstore.backends.fsutil.atomic_write` (temp file in its
+own directory, fsync, rename, directory fsync), so a crash leaves either the old object or the
+new one, never a torn one. Create-only writes link the finished temp file to its name instead
+of renaming it: ``link`` fails if the name exists, so the commit marker appears whole and
+exactly once, against any process on any machine that shares the filesystem. Compare-and-swap
+holds an ``flock`` on a sidecar lock file (NFSv4 carries it to the server) while it checks the
+version token (inode, mtime, size) and renames. ``copy`` hard-links: objects are never modified
+in place, only replaced.
 
 Temp and lock files start with ``.ckpt-``: listings hide them and ``gc`` removes stray temps.
 """
@@ -19,12 +20,20 @@ import errno
 import fcntl
 import os
 import shutil
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptstore.backends.base import Capabilities, Chunk, ObjectInfo, PartialWrite
+from ckptstore.backends.base import BaseBackend, Capabilities, Chunk, ObjectInfo, PartialWrite
+from ckptstore.backends.fsutil import (
+    HIDDEN_PREFIX,
+    TMP_PREFIX,
+    atomic_write,
+    fsync_dir,
+    temp_path,
+    unlink_quietly,
+    write_temp,
+)
 from ckptstore.errors import (
     AccessDeniedError,
     BackendError,
@@ -34,15 +43,14 @@ from ckptstore.errors import (
     PreconditionFailedError,
 )
 
-HIDDEN_PREFIX = ".ckpt-"
-TMP_PREFIX = ".ckpt-tmp-"
 LOCK_PREFIX = ".ckpt-lock-"
 
 
-class LocalBackend:
+class LocalBackend(BaseBackend):
     """A directory on a POSIX filesystem (local disk or NFS)."""
 
     def __init__(self, uri: str, storage_options: dict[str, Any]) -> None:
+        super().__init__()
         if storage_options:
             raise ConfigError(
                 f"{uri}: local stores take no storage options, got {sorted(storage_options)}"
@@ -86,27 +94,21 @@ class LocalBackend:
 
     def write(self, path: str, chunks: Iterable[Chunk]) -> int:
         target = self._path(path)
-        tmp, size = self._write_temp(target, chunks)
-        with _translated(target, "write"):
-            try:
-                os.replace(tmp, target)
-            except BaseException:
-                _unlink_quietly(tmp)
-                raise
-            _fsync_dir(target.parent)
-        return size
+        with self._writing(target):
+            return atomic_write(target, chunks)
 
     def create(self, path: str, data: bytes) -> None:
         target = self._path(path)
-        tmp, _ = self._write_temp(target, [data])
+        with self._writing(target):
+            tmp, _ = write_temp(target, [data])
         try:
             with _translated(target, "create"):
                 os.link(tmp, target)
         except FileExistsError as e:
             raise ObjectExistsError(f"{target} already exists") from e
         finally:
-            _unlink_quietly(tmp)
-        _fsync_dir(target.parent)
+            unlink_quietly(tmp)
+        fsync_dir(target.parent)
 
     def swap(self, path: str, data: bytes, expected: str | None) -> str:
         target = self._path(path)
@@ -120,16 +122,14 @@ class LocalBackend:
                     f"{target} changed since it was read (expected version {expected}, "
                     f"found {current})"
                 )
-            tmp, _ = self._write_temp(target, [data])
-            with _translated(target, "write"):
-                os.replace(tmp, target)
-                _fsync_dir(target.parent)
+            with self._writing(target):
+                atomic_write(target, [data])
                 return _version(os.stat(target))
 
     def copy(self, src: str, dst: str) -> None:
         """Hard-link when possible: objects are never modified in place, only replaced."""
         source, target = self._path(src), self._path(dst)
-        tmp = target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{target.name}"[:255]
+        tmp = temp_path(target)
         with _translated(source, "copy"):
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -143,9 +143,9 @@ class LocalBackend:
             try:
                 os.replace(tmp, target)
             except BaseException:
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
                 raise
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
 
     def stat(self, path: str) -> ObjectInfo | None:
         try:
@@ -208,9 +208,6 @@ class LocalBackend:
         else:
             self.delete([partial.path])
 
-    def close(self) -> None:
-        pass
-
     def _walk(self, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
         """``(relative path, stat)`` of every file whose path starts with ``prefix``."""
         head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
@@ -225,23 +222,17 @@ class LocalBackend:
                     except FileNotFoundError:  # deleted while we walked
                         continue
 
-    def _write_temp(self, target: Path, chunks: Iterable[Chunk]) -> tuple[Path, int]:
-        """Write ``chunks`` to a fsynced temp file beside ``target``; the caller renames it."""
-        tmp = target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{target.name}"[:255]
-        size = 0
+    @contextlib.contextmanager
+    def _writing(self, target: Path) -> Iterator[None]:
+        """Create ``target``'s directory; errors translated, and a failed write leaves nothing
+        (not even the directories it created)."""
         with _translated(target, "write"):
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                with open(tmp, "xb") as f:
-                    for chunk in chunks:
-                        size += f.write(chunk)
-                    f.flush()
-                    os.fsync(f.fileno())
+                yield
             except BaseException:
-                _unlink_quietly(tmp)
-                _remove_empty_dirs(target.parent, stop=self.root)  # a failed write leaves nothing
+                _remove_empty_dirs(target.parent, stop=self.root)
                 raise
-        return tmp, size
 
     @contextlib.contextmanager
     def _locked(self, target: Path) -> Iterator[None]:
@@ -261,28 +252,11 @@ def _version(st: os.stat_result) -> str:
     return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or link durable: fsync the directory that holds the name."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some network filesystems refuse fsync on directories
-        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
-
-
 def _mtime(path: str) -> float | None:
     try:
         return os.stat(path).st_mtime
     except FileNotFoundError:
         return None
-
-
-def _unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
 
 
 def _remove_empty_dirs(start: Path, *, stop: Path) -> None:

@@ -3,7 +3,9 @@
 Only the backend a URI needs is imported, so ``import ckptstore`` stays cheap and a missing
 optional dependency is reported as our own error with the ``pip install`` line that fixes it.
 Other packages can add schemes through the ``ckptstore.backends`` entry-point group
-(``name = "module:Class"``, where the class takes ``(uri, storage_options)``).
+(``name = "module:Class"``, where the class takes ``(uri, storage_options)``); such a class
+subclasses :class:`~ckptstore.backends.base.BaseBackend` and runs the shipped contract suite,
+:mod:`ckptstore.testing.contract`.
 """
 
 from __future__ import annotations

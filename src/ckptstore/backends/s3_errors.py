@@ -9,6 +9,10 @@ expired token must not read as "no checkpoint here, start from step 0".
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -151,3 +155,33 @@ def error_for(
     if code == "InvalidBucketName":
         return ConfigError(f"{target}: the server rejects the bucket name{detail}")
     return BackendError(f"cannot {action} {target}{detail} (HTTP {status})")
+
+
+@dataclass(frozen=True)
+class Translator:
+    """The translation for one backend, which names its bucket and endpoint in messages."""
+
+    bucket: str
+    endpoint: str
+
+    @contextlib.contextmanager
+    def translated(self, target: str, action: str) -> Iterator[None]:
+        """Raise our error, chained, for a botocore one raised inside."""
+        try:
+            yield
+        except (ClientError, BotoCoreError) as e:
+            raise translate(
+                e, bucket=self.bucket, endpoint=self.endpoint, target=target, action=action
+            ) from e
+
+    def error(self, code: str, target: str, action: str, message: str = "") -> CheckpointError:
+        """Our error for an S3 error code that came without an exception."""
+        return error_for(
+            code,
+            0,
+            bucket=self.bucket,
+            endpoint=self.endpoint,
+            target=target,
+            action=action,
+            message=message,
+        )

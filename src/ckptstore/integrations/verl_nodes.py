@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckptstore import layout
+from ckptstore.backends.fsutil import atomic_write
 from ckptstore.commit import SourceFile, iter_file
 from ckptstore.errors import (
     BackendError,
@@ -156,13 +157,7 @@ class NodeAgent:
     def write_tracker(self, step: int) -> None:
         """Write verl's ``latest_checkpointed_iteration.txt`` atomically."""
         self.local_dir.mkdir(parents=True, exist_ok=True)
-        tracker = self.local_dir / layout.VERL_TRACKER_NAME
-        tmp = self.local_dir / f"{TMP_PREFIX}tracker-{uuid.uuid4().hex[:12]}"
-        with open(tmp, "w") as f:
-            f.write(str(step))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, tracker)
+        atomic_write(self.local_dir / layout.VERL_TRACKER_NAME, [str(step).encode()])
 
     def prune(self, current: int, keep: int) -> list[int]:
         """Delete local step directories older than ``current`` beyond the newest ``keep``

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckptstore import layout
-from ckptstore.commit import Pointer
 from ckptstore.errors import CheckpointError, NotFoundError
+from ckptstore.manifest import is_tombstone
+from ckptstore.pointer import Pointer
 from ckptstore.testing.killsaver import make_state, same_state
 
 LOCK_PREFIX = ".ckpt-lock-"
@@ -154,18 +155,33 @@ def strays(store: Any, raw: RawView) -> list[str]:
     for info in store.list():
         committed.add(layout.step_dir(info.step))
         keep.add(layout.manifest_path(info.step))
-        keep.update(layout.payload_path(info.step, f.path) for f in info.files)
+        keep.update(f.key(info.step) for f in info.files)
+        keep.update(
+            layout.attempt_marker_path(info.step, f.attempt) for f in info.files if f.attempt
+        )
     found = []
     for path in raw.files():
         name = path.rsplit("/", 1)[-1]
         if path in keep or path.startswith(layout.PINS_DIR + "/") or name.startswith(LOCK_PREFIX):
             continue
+        if name == layout.MANIFEST_NAME and is_tombstone(store.backend.read(path)):
+            continue  # gc's own bookkeeping, which it removes after a day (commit.py)
         found.append(f"stray file {path}")
     found += [
-        f"uncommitted step directory {d}" for d in raw.step_dirs() if _stray_dir(d, committed)
+        f"uncommitted step directory {d}"
+        for d in raw.step_dirs()
+        if _stray_dir(d, committed) and not _tombstoned(store, d)
     ]
     found += list(raw.uploads())
     return found
+
+
+def _tombstoned(store: Any, step_dir: str) -> bool:
+    step = layout.parse_step_dir(step_dir)
+    try:
+        return step is not None and is_tombstone(store.backend.read(layout.manifest_path(step)))
+    except NotFoundError:
+        return False
 
 
 def _stray_dir(name: str, committed: set[str]) -> bool:

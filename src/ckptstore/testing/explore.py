@@ -1,0 +1,469 @@
+"""Deterministic exploration of interleavings: the real store code, every backend call a choice.
+
+::
+
+    python -m ckptstore.testing.explore [--preemptions K] [--crashes C] [--scenario NAME]
+
+Tests that race threads hit a window by luck. Here the real committer, lease, retention and gc
+run as actors over :class:`~ckptstore.testing.scheduled_backend.ScheduledBackend`, where each
+backend call parks its actor until the explorer picks who goes next. A schedule is the sequence
+of picks. The explorer enumerates schedules depth first, replaying each one from scratch (fresh
+backend and stores, the scenario's setup restored), and checks the protocol's invariants
+(invariants.py) after every operation and at the end of each schedule.
+
+The bound, CHESS-style (Musuvathi and Qadeer, "Iterative context bounding", PLDI 2007):
+
+* at most K *preemptions* per schedule: switching away from an actor that could go on. An
+  actor's start is a point too (what it does before its first call, like gc reading the clock
+  for its cutoff, happens when it is picked). Switching when the running actor has finished is
+  free, so every actor runs to its end in every schedule: K = 0 covers every order of whole
+  actors, K = 1 also every point where one actor can cut into another, and so on. Most
+  concurrency bugs need one or two.
+* at most C crashes per schedule: an actor killed before one of its writes (the running actor
+  at any write, any actor at a free switch); that write and all its later calls raise
+  ``Crashed`` and do nothing, as after a SIGKILL. Killing before a read is not offered: it
+  leaves the storage that killing before the next write leaves. A killed actor never resumes.
+
+Within the bound the search is exhaustive; no two schedules are merged. Replays must be
+deterministic (the same choices offer the same options), or the explorer stops with an error.
+A failure prints the invariant, the schedule (the picks) and a trace of the operations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.store import CheckpointStore
+from ckptstore.testing.invariants import READS, WRITES, Checker, Failure, Violation, short, trace
+from ckptstore.testing.scheduled_backend import (
+    Abandoned,
+    Actor,
+    Choice,
+    Crashed,
+    ExplorerError,
+    ScheduledBackend,
+    Scheduler,
+    inline_thread_pools,
+)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The size of the explored space (see the module docstring)."""
+
+    preemptions: int = 2
+    crashes: int = 1
+    max_schedules: int = 1_000_000
+    """A safety net: stop (``truncated``) after this many schedules."""
+
+    def describe(self) -> str:
+        return f"preemption bound {self.preemptions}, <={self.crashes} crash"
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    bounds: Bounds
+    schedules: int = 0
+    seconds: float = 0.0
+    truncated: bool = False
+    failures: list[Failure] = field(default_factory=list)
+    """The shortest failing schedule per invariant violated (only the first, by default)."""
+
+
+class World:
+    """One schedule's universe: a backend, its scheduler, stores, and the states saved."""
+
+    def __init__(self) -> None:
+        self.scheduler = Scheduler()
+        self.backend = ScheduledBackend(self.scheduler)
+        self.saved: dict[int, list[Any]] = {}
+        """Every state some writer saves, by step: what a resume may return."""
+        self.stores: list[CheckpointStore] = []
+        """Kept alive for the run: a store that is collected releases its lease, a call."""
+
+    def restore(self, other: World) -> None:
+        """Start from ``other``'s storage, logical time and saved states."""
+        self.backend.objects = dict(other.backend.objects)
+        self.backend.versions = other.backend.versions
+        self.scheduler.time = other.scheduler.time
+        self.saved = {step: list(states) for step, states in other.saved.items()}
+
+    def store(self, **options: Any) -> CheckpointStore:
+        """A store on this backend and logical clock, with no lease heartbeat thread."""
+        if "lease_ttl" in _STORE_PARAMETERS:
+            options.setdefault("lease_ttl", math.inf)
+        store = CheckpointStore(
+            self.backend.uri, backend=self.backend, clock=self.scheduler.clock, **options
+        )
+        _skip_idle_costs(store)
+        self.stores.append(store)
+        return store
+
+    def expect(self, step: int, state: Any) -> Any:
+        """Record that some writer saves ``state`` as ``step``."""
+        self.saved.setdefault(step, []).append(state)
+        return state
+
+    def saver(self, store: CheckpointStore, step: int, state: Any) -> Callable[[], object]:
+        """An actor that saves ``state`` as ``step``."""
+        self.expect(step, state)
+        return lambda: store.save(step, state).step
+
+    def setup_save(self, store: CheckpointStore, step: int, state: Any) -> None:
+        self.saver(store, step, state)()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    build: Callable[[World], list[Actor]]
+    """Creates the actors (and any setup that needs their stores): not explored."""
+    prepare: Callable[[World], None] | None = None
+    """Setup that leaves only storage behind: run once, restored for each schedule."""
+    preemptions: int = 2
+    """The preemption bound CI runs it with."""
+
+
+def _state(step: int, tag: int) -> dict[str, Any]:
+    return {"step": step, "tag": tag}
+
+
+def _tensor_state(step: int, tag: int) -> dict[str, Any]:
+    import torch
+
+    return {"w": torch.full((2,), float(tag)), "step": step}  # two files: a shard, a skeleton
+
+
+def _one_step(w: World) -> None:
+    w.setup_save(w.store(lease=False), 1, _state(1, 0))
+
+
+def _two_steps_one_pinned(w: World) -> None:
+    setup = w.store(lease=False)
+    w.setup_save(setup, 1, _state(1, 0))
+    w.setup_save(setup, 2, _state(2, 0))
+    setup.pin(1)
+
+
+def _writer(w: World, name: str, step: int, role: str = "writer", **options: Any) -> Actor:
+    """A writer with ``keep_last`` applies retention after its save: it has a pruner's role."""
+    store = w.store(**{"lease": False, **options})
+    return Actor(name, w.saver(store, step, _state(step, len(w.stores))), role)
+
+
+def _pruner(w: World) -> Actor:
+    return Actor("pruner", w.store(lease=False, keep_last=1).prune, role="pruner")
+
+
+def _collector(w: World) -> Actor:
+    store = w.store(lease=False)
+    return Actor("gc", lambda: store.gc(older_than=0), role="gc")
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def _scenario(
+    name: str, title: str, prepare: Callable[[World], None] | None = None, preemptions: int = 2
+) -> Callable[[Callable[[World], list[Actor]]], Callable[[World], list[Actor]]]:
+    def register(build: Callable[[World], list[Actor]]) -> Callable[[World], list[Actor]]:
+        SCENARIOS[name] = Scenario(name, title, build, prepare, preemptions)
+        return build
+
+    return register
+
+
+@_scenario("same-step", "2 writers (lease=False), same step")
+def _same_step(w: World) -> list[Actor]:
+    return [Actor(f"w{i}", w.saver(w.store(lease=False), 1, _tensor_state(1, i))) for i in (1, 2)]
+
+
+@_scenario("two-steps", "2 writers (lease=False), steps 1 and 2")
+def _two_steps(w: World) -> list[Actor]:
+    return [_writer(w, "w1", 1), _writer(w, "w2", 2)]
+
+
+@_scenario("prune", "writer (keep_last=1) + pruner, step 1 pinned", _two_steps_one_pinned)
+def _prune(w: World) -> list[Actor]:
+    return [_writer(w, "writer", 3, "pruner", keep_last=1), _pruner(w)]
+
+
+@_scenario("gc", "writer (lease=False) + gc(older_than=0)", _one_step)
+def _gc(w: World) -> list[Actor]:
+    return [_writer(w, "writer", 2), _collector(w)]
+
+
+@_scenario("gc-leased", "writer (leased) + gc(older_than=0)", _one_step)
+def _gc_leased(w: World) -> list[Actor]:
+    return [_writer(w, "writer", 2, lease=True), _collector(w)]
+
+
+@_scenario("zombie", "zombie (epoch 1) + replacement (takeover), step 2")
+def _zombie(w: World) -> list[Actor]:
+    zombie = w.store()
+    w.setup_save(zombie, 1, _state(1, 0))  # takes the lease: epoch 1
+    theirs = w.expect(2, _state(2, 2))
+
+    def take_over_and_save() -> object:  # opening with takeover=True may write already
+        return w.store(takeover=True).save(2, theirs).step
+
+    return [
+        Actor("zombie", w.saver(zombie, 2, _state(2, 1))),
+        Actor("replacement", take_over_and_save),
+    ]
+
+
+@_scenario("all", "2 writers + pruner + gc", _one_step, preemptions=1)
+def _all(w: World) -> list[Actor]:
+    return [_writer(w, "w1", 2), _writer(w, "w2", 3), _pruner(w), _collector(w)]
+
+
+class _Replay:
+    """One schedule: the given choices first, then always option 0 (keep the running actor)."""
+
+    def __init__(self, prefix: Sequence[int], expected: Sequence[int], bounds: Bounds) -> None:
+        self.prefix, self.expected, self.bounds = prefix, expected, bounds
+        self.taken: list[int] = []
+        self.widths: list[int] = []
+        self.labels: list[str] = []
+        self.preemptions = self.crashes = 0
+
+    def options(self, enabled: Mapping[str, str], last: str | None) -> list[Choice]:
+        """Keep the last actor running, first; then, within the bounds, switch, or crash."""
+        keeps = last is not None and last in enabled
+        free = [last] if keeps and last is not None else list(enabled)
+        runs = [Choice(a) for a in free]
+        if keeps and self.preemptions < self.bounds.preemptions:
+            runs += [Choice(a) for a in enabled if a != last]
+        if self.crashes >= self.bounds.crashes:
+            return runs
+        return runs + [Choice(a, crash=True) for a in free if enabled[a] in WRITES]
+
+    def choose(self, enabled: Mapping[str, str], last: str | None) -> Choice:
+        options = self.options(enabled, last)
+        depth = len(self.taken)
+        if depth < len(self.expected) and self.expected[depth] != len(options):
+            raise ExplorerError(
+                f"replay diverged at choice {depth}: {len(options)} options, earlier "
+                f"{self.expected[depth]} (schedule {' '.join(self.labels)}): the run depends "
+                "on more than the choices (a thread of its own, wall-clock time, randomness)"
+            )
+        index = self.prefix[depth] if depth < len(self.prefix) else 0
+        choice = options[index]
+        if choice.crash:
+            self.crashes += 1
+        elif last in enabled and choice.actor != last:
+            self.preemptions += 1
+        self.taken.append(index)
+        self.widths.append(len(options))
+        self.labels.append(choice.label())
+        return choice
+
+    def next_prefix(self) -> list[int] | None:
+        """The next schedule in depth-first order, or None when the tree is done."""
+        for depth in reversed(range(len(self.taken))):
+            if self.taken[depth] + 1 < self.widths[depth]:
+                return [*self.taken[:depth], self.taken[depth] + 1]
+        return None
+
+
+def explore(
+    scenario: Scenario | str, bounds: Bounds | None = None, *, keep_going: bool = False
+) -> ScenarioResult:
+    """Run every schedule of ``scenario`` within ``bounds`` (default: its CI bound, one crash).
+
+    Stops at the first violation unless ``keep_going``, which keeps the shortest failing
+    schedule per invariant.
+    """
+    scenario = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
+    bounds = bounds or Bounds(preemptions=scenario.preemptions)
+    result = ScenarioResult(scenario.name, bounds)
+    started = time.perf_counter()
+    prefix: list[int] = []
+    expected: list[int] = []
+    shortest: dict[str, Failure] = {}
+    prepared: dict[str, World] = {}
+    with _exploring():
+        while True:
+            replay = _Replay(prefix, expected, bounds)
+            failure = _run(scenario, replay, prepared)
+            result.schedules += 1
+            if failure is not None:
+                name = failure.violation.invariant
+                if name not in shortest or failure.ops < shortest[name].ops:
+                    shortest[name] = failure
+                if not keep_going:
+                    break
+            following = replay.next_prefix()
+            if following is None:
+                break
+            if result.schedules >= bounds.max_schedules:
+                result.truncated = True
+                break
+            prefix, expected = following, replay.widths[: len(following)]
+    result.failures = sorted(shortest.values(), key=lambda f: f.ops)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def replay(
+    scenario: Scenario | str, choices: Sequence[int], bounds: Bounds | None = None
+) -> Failure | None:
+    """Run one schedule (a Failure's choices, under the bounds it was found with)."""
+    scenario = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
+    with _exploring():
+        bounds = bounds or Bounds(preemptions=scenario.preemptions)
+        return _run(scenario, _Replay(choices, [], bounds), {})
+
+
+def _run(scenario: Scenario, replay: _Replay, prepared: dict[str, World]) -> Failure | None:
+    world = World()
+    checker = Checker(world.backend)
+    world.scheduler.observers.append(checker.observe)
+    if scenario.prepare is not None:
+        if scenario.name not in prepared:
+            prepared[scenario.name] = ready = World()
+            scenario.prepare(ready)
+        world.restore(prepared[scenario.name])
+    actors = scenario.build(world)
+    checker.roles.update({a.name: a.role for a in actors})
+    setup, first = world.scheduler.time, len(world.scheduler.events)
+    world.scheduler.run(actors, replay.choose)
+    violation = checker.violation or _after_run(world, checker)
+    world.scheduler.observers.clear()
+    if violation is None:
+        return None
+    events = world.scheduler.events[first:]
+    ran = [e.seq for e in events if e.op in READS | WRITES and e.outcome != "killed"]
+    if violation.seq >= 0:
+        ran = [seq for seq in ran if seq <= violation.seq]
+    return Failure(
+        scenario.name,
+        violation,
+        tuple(replay.taken),
+        (replay.bounds.preemptions, replay.bounds.crashes),
+        tuple(replay.labels),
+        trace(events, violation, setup),
+        len(ran),
+    )
+
+
+def _after_run(world: World, checker: Checker) -> Violation | None:
+    error = world.scheduler.internal_error
+    if isinstance(error, ExplorerError):
+        raise error
+    if error is not None:
+        raise ExplorerError(f"the invariant checker failed: {error!r}") from error
+    for actor, failure in world.scheduler.failures.items():
+        return Violation("actors-fail-cleanly", f"{actor} raised {short(repr(failure))}", -1)
+    world.scheduler.phase = "resume"
+    return checker.check_resume(world.store(lease=False), world.saved)
+
+
+_STORE_PARAMETERS = inspect.signature(CheckpointStore).parameters
+_ENVIRONMENT: list[Any] = []
+
+
+def _skip_idle_costs(store: CheckpointStore) -> None:
+    """Spare each store the environment probe (tens of ms, the same answer for every store in
+    this process) and the backoff sleeps after lost races (they cannot change who runs next)."""
+    own = vars(store)
+    if own.get("_environment", False) is None:
+        if not _ENVIRONMENT:
+            from ckptstore.compat import current_environment
+
+            _ENVIRONMENT.append(current_environment(world_size=1))
+        own["_environment"] = _ENVIRONMENT[0]
+    for part in ("_committer", "_catalog"):
+        helper = own.get(part)
+        if helper is not None and "sleep" in vars(helper):
+            vars(helper)["sleep"] = lambda seconds: None
+
+
+@contextlib.contextmanager
+def _exploring() -> Iterator[None]:
+    """Inline thread pools; quiet logs (thousands of runs log their warnings); and no report
+    of a killed actor's store failing to release its lease when it is collected."""
+    logger = logging.getLogger("ckptstore")
+    level, hook = logger.level, sys.unraisablehook
+
+    def unraisable(report: Any) -> None:
+        if not isinstance(report.exc_value, (Crashed, Abandoned)):
+            hook(report)
+
+    logger.setLevel(logging.CRITICAL + 1)
+    sys.unraisablehook = unraisable
+    try:
+        with inline_thread_pools():
+            yield
+    finally:
+        logger.setLevel(level)
+        sys.unraisablehook = hook
+
+
+def summary(results: Sequence[ScenarioResult]) -> str:
+    """The last line: how many schedules, under which bound, and the verdict."""
+    ks = sorted({r.bounds.preemptions for r in results}, reverse=True) or [0]
+    text = f"preemption bound {ks[0]}" + "".join(
+        f" ({k} for {', '.join(r.scenario for r in results if r.bounds.preemptions == k)})"
+        for k in ks[1:]
+    )
+    crashes = max((r.bounds.crashes for r in results), default=0)
+    failed = sum(len(r.failures) for r in results)
+    verdict = f"{failed} invariant(s) violated" if failed else "all invariants held"
+    return (
+        f"explored {sum(r.schedules for r in results)} schedules of 2 writers + pruner + gc + "
+        f"crash ({text}, <={crashes} crash): {verdict}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ckptstore.testing.explore", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--preemptions", type=int, help="K (default: each scenario's CI bound)")
+    parser.add_argument("--crashes", type=int, default=1, help="crashes per schedule (1)")
+    parser.add_argument("--scenario", action="append", choices=list(SCENARIOS))
+    parser.add_argument("--keep-going", action="store_true", help="shortest failure per invariant")
+    parser.add_argument("--replay", help="run the schedule a failure printed (one --scenario)")
+    args = parser.parse_args(argv)
+    names = args.scenario or list(SCENARIOS)
+
+    def bounds(name: str) -> Bounds:
+        k = SCENARIOS[name].preemptions if args.preemptions is None else args.preemptions
+        return Bounds(preemptions=k, crashes=args.crashes)
+
+    if args.replay is not None:
+        choices = [int(c) for c in args.replay.split(",") if c]
+        failure = replay(names[0], choices, bounds(names[0]))
+        print(failure.render() if failure else "the schedule held every invariant")
+        return 1 if failure else 0
+    results = []
+    for name in names:
+        result = explore(name, bounds(name), keep_going=args.keep_going)
+        results.append(result)
+        print(
+            f"{name:<10} {result.schedules:>6} schedules {result.seconds:6.1f} s  "
+            f"({result.bounds.describe()})  {SCENARIOS[name].title}: "
+            f"{'VIOLATION' if result.failures else 'ok'}",
+            flush=True,
+        )
+        for failure in result.failures:
+            print(failure.render(), flush=True)
+    print(summary(results))
+    return 0 if all(not r.failures and not r.truncated for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

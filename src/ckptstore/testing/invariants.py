@@ -1,0 +1,385 @@
+"""The commit protocol's invariants (DESIGN.md), checked after every operation of a run.
+
+The checker reads the in-memory backend's own objects and each operation's recorded effects,
+never the store's view of them: a bug in the store's reading code must not hide a bug in its
+writing code. It knows the layout (manifest keys, ``latest.json``, pins, the lease) and decodes
+manifests with the real :class:`~ckptstore.manifest.Manifest`; anything at a manifest key that
+does not decode as a manifest (a tombstone, for instance) is *not* a committed step.
+
+Actors have roles, which say what they may delete: a ``writer`` deletes no committed step
+(except one that a fenced writer committed, which the protocol removes), a ``pruner`` (also a
+writer that applies retention after its save) deletes only steps below ``latest`` and not
+pinned, ``gc`` deletes no committed step and none of its files; ``setup`` is not judged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore import layout
+from ckptstore.checksum import Crc32c
+from ckptstore.errors import CheckpointError
+from ckptstore.manifest import FileEntry, Manifest
+from ckptstore.testing.scheduled_backend import Effect, Event, ScheduledBackend, Stored
+
+INVARIANTS = {
+    "committed-step-whole": "every file a committed manifest lists is present, size and CRC32C",
+    "committed-manifest-immutable": "a committed manifest's bytes never change while it exists",
+    "latest-names-committed": "latest.json names a committed step",
+    "latest-moves-forward": "latest only moves forward (and is never deleted)",
+    "retention-deletes-safely": "only retention deletes a step: below latest, never pinned",
+    "gc-spares-committed": "gc deletes no manifest and no file a committed manifest lists",
+    "fenced-writer-never-moves-latest": "no write of latest carries an epoch below the lease's",
+    "resume-loads-a-saved-state": "a fresh store resumes from the newest unfenced committed "
+    "step, and loads exactly a state some writer saved as that step (never a mix)",
+    "actors-fail-cleanly": "an actor raises nothing but CheckpointErrors (or dies by a crash)",
+}
+WRITES = frozenset({"write", "create", "swap", "copy", "delete"})
+READS = frozenset({"read", "read_into", "read_versioned", "stat", "list", "list_dirs"})
+TRACE_TEXT = 160
+"""Longer outcomes (error messages) are cut in traces."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    message: str
+    seq: int
+    """The event at which it was seen; -1 for checks at the end of a run."""
+
+
+def payload_key(step: int, entry: FileEntry) -> str:
+    """The object key of a listed file: per attempt where the layout has attempts."""
+    by_entry: Callable[[int, FileEntry], str] | None = getattr(layout, "payload_key", None)
+    if by_entry is not None:
+        return by_entry(step, entry)
+    key: Callable[[int], str] | None = getattr(entry, "key", None)  # FileEntry.key(step)
+    if key is not None:
+        return key(step)
+    return layout.payload_path(step, entry.path)
+
+
+def manifest_step(path: str) -> int | None:
+    """The step whose manifest key ``path`` is, or None."""
+    head, _, name = path.partition("/")
+    return layout.parse_step_dir(head) if name == layout.MANIFEST_NAME else None
+
+
+def fenced(pointer: Mapping[str, Any] | None, step: int, lease_epoch: int) -> bool:
+    """Whether a step committed under ``lease_epoch`` belongs to a fenced writer (pointer.py)."""
+    fences = pointer.get("fences", []) if pointer is not None else []
+    return lease_epoch > 0 and any(lease_epoch < e and step > s for e, s in fences)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A schedule that broke an invariant, with what it takes to read and replay it."""
+
+    scenario: str
+    violation: Violation
+    choices: tuple[int, ...]
+    """Option indices at each choice: ``replay`` (``--replay``) runs the schedule again."""
+    bound: tuple[int, int]
+    """The preemption and crash bounds it was found under, which give the indices meaning."""
+    schedule: tuple[str, ...]
+    trace: tuple[str, ...]
+    ops: int
+    """Operations the schedule ran before the violation (a shorter one is easier to read)."""
+
+    def render(self) -> str:
+        v = self.violation
+        meaning = INVARIANTS.get(v.invariant, "")
+        return "\n".join(
+            [
+                f"VIOLATION of {v.invariant} ({meaning}) in {self.scenario}:",
+                f"  {v.message}",
+                f"  schedule ({self.ops} operations): {' '.join(self.schedule)}",
+                f"  replay: --scenario {self.scenario} --preemptions {self.bound[0]} "
+                f"--crashes {self.bound[1]} --replay {','.join(map(str, self.choices))}",
+                "  trace:",
+                *(f"    {line}" for line in self.trace),
+            ]
+        )
+
+
+class Checker:
+    """Watches one run's events; the first violation stops the run (``violation``)."""
+
+    def __init__(self, backend: ScheduledBackend, roles: Mapping[str, str] | None = None) -> None:
+        self.backend = backend
+        self.roles: dict[str, str] = dict(roles or {})
+        self.violation: Violation | None = None
+        self._manifests: dict[bytes, Manifest | None] = {}
+        self._crcs: dict[int, str] = {}
+        self._listed: set[str] | None = None
+        """Payload keys of committed steps, as of the last state check (None: none yet)."""
+
+    def observe(self, event: Event) -> None:
+        if self.violation is not None or event.op not in WRITES or not event.effects:
+            return
+        if self.roles.get(event.actor, "setup") == "setup":
+            return  # the scenario's own preparation: checked by the first explored operation
+        found = self._check_effects(event)
+        if found is None and self._may_break_state(event):
+            found = self._check_state()
+        if found is not None:
+            self.violation = Violation(found[0], found[1], event.seq)
+            self.backend.scheduler.stop()
+
+    # -- per operation ---------------------------------------------------------------------
+
+    def _check_effects(self, event: Event) -> tuple[str, str] | None:
+        role = self.roles.get(event.actor, "setup")
+        before = {e.path: e.before for e in event.effects}
+
+        def then(path: str) -> Stored | None:  # the object as it was before this operation
+            return before[path] if path in before else self.backend.objects.get(path)
+
+        pointer = _json(then(layout.LATEST_NAME))
+        for effect in event.effects:
+            if effect.path == layout.LATEST_NAME:
+                found = self._pointer_move(effect, pointer, _json(then(layout.LEASE_NAME)))
+            elif effect.after is None and role == "gc":
+                found = self._gc_deletion(effect.path, {*self.backend.objects, *before}, then)
+            else:
+                found = None
+            step = manifest_step(effect.path)
+            manifest = self._manifest(effect.before) if step is not None else None
+            if found is None and step is not None and manifest is not None:
+                if self._manifest(effect.after) is None:  # deleted, or a tombstone put there
+                    found = self._uncommit(event.actor, role, step, manifest, pointer, then)
+                elif effect.after.data != effect.before.data:  # type: ignore[union-attr]
+                    found = "committed-manifest-immutable", f"{event.actor} overwrote {effect.path}"
+            if found is not None:
+                return found
+        return None
+
+    def _gc_deletion(
+        self, path: str, present: set[str], then: Callable[[str], Stored | None]
+    ) -> tuple[str, str] | None:
+        for other in present:
+            manifest = self._manifest(then(other)) if manifest_step(other) is not None else None
+            if manifest is not None and other == path:
+                return "gc-spares-committed", f"gc deleted the manifest of step {manifest.step}"
+            if manifest is not None and path in {
+                payload_key(manifest.step, f) for f in manifest.files
+            }:
+                return "gc-spares-committed", f"gc deleted {path}, listed by step {manifest.step}"
+        return None
+
+    def _pointer_move(
+        self, effect: Effect, old: dict[str, Any] | None, lease: dict[str, Any] | None
+    ) -> tuple[str, str] | None:
+        new = _json(effect.after)
+        if effect.after is None:
+            return "latest-moves-forward", f"{layout.LATEST_NAME} was deleted"
+        if new is None:
+            return "latest-moves-forward", f"{layout.LATEST_NAME} was replaced by garbage"
+        step, was = _step_of(new), _step_of(old)
+        if old is not None and step < was:
+            return "latest-moves-forward", f"latest moved back from step {was} to step {step}"
+        epoch, held = new.get("epoch", 0), (lease or {}).get("epoch", 0)
+        if isinstance(epoch, int) and isinstance(held, int) and epoch < held:
+            return (
+                "fenced-writer-never-moves-latest",
+                f"latest was written (step {step}) with lease epoch {epoch} while "
+                f"{layout.LEASE_NAME} was at epoch {held}",
+            )
+        return None
+
+    def _uncommit(
+        self,
+        actor: str,
+        role: str,
+        step: int,
+        manifest: Manifest,
+        pointer: dict[str, Any] | None,
+        then: Callable[[str], Stored | None],
+    ) -> tuple[str, str] | None:
+        latest = _step_of(pointer) if pointer is not None else None
+        if role == "gc":
+            return "gc-spares-committed", f"gc uncommitted step {step}"
+        if fenced(pointer, step, _epoch(manifest)):
+            return None  # a fenced writer's late step: never latest, removed by the protocol
+        if role != "pruner":
+            return "retention-deletes-safely", f"{actor} ({role}) uncommitted step {step}"
+        if latest is None or step >= latest:
+            return "retention-deletes-safely", f"{actor} pruned step {step}; latest is {latest}"
+        if then(layout.pin_path(step)) is not None:
+            return "retention-deletes-safely", f"{actor} pruned step {step}, which is pinned"
+        return None
+
+    # -- the state after each operation ----------------------------------------------------
+
+    def _may_break_state(self, event: Event) -> bool:
+        """Whether the event touched a manifest, a committed step's file or ``latest``: the
+        state invariants held before it, so only such an event can break them."""
+        if self._listed is None:
+            return True
+        return any(
+            e.path in self._listed
+            or e.path == layout.LATEST_NAME
+            or manifest_step(e.path) is not None
+            for e in event.effects
+        )
+
+    def _check_state(self) -> tuple[str, str] | None:
+        objects = self.backend.objects
+        self._listed = set()
+        for path, stored in objects.items():
+            step = manifest_step(path)
+            manifest = self._manifest(stored) if step is not None else None
+            for entry in manifest.files if manifest is not None else ():
+                key = payload_key(manifest.step, entry)  # type: ignore[union-attr]
+                self._listed.add(key)
+                problem = self._file_problem(objects.get(key), entry)
+                if problem is not None:
+                    return "committed-step-whole", f"step {step}: {key} {problem}"
+        pointer = _json(objects.get(layout.LATEST_NAME))
+        if layout.LATEST_NAME in objects:
+            if pointer is None:
+                return "latest-names-committed", f"{layout.LATEST_NAME} is unreadable"
+            step = pointer.get("step")
+            if step is not None and not self.committed(step):
+                return "latest-names-committed", f"latest names step {step}, not committed"
+        return None
+
+    def _file_problem(self, stored: Stored | None, entry: FileEntry) -> str | None:
+        if stored is None:
+            return "is missing"
+        if len(stored.data) != entry.size:
+            return f"holds {len(stored.data)} B, the manifest says {entry.size}"
+        crc = self._crcs.get(stored.version)
+        if crc is None:
+            digest = Crc32c()
+            digest.update(stored.data)
+            crc = self._crcs[stored.version] = digest.hexdigest()
+        if crc != entry.crc32c:
+            return f"has CRC32C {crc}, the manifest says {entry.crc32c} (other bytes)"
+        return None
+
+    def committed(self, step: int) -> Manifest | None:
+        """The step's manifest if the step is committed right now."""
+        return self._manifest(self.backend.objects.get(layout.manifest_path(step)))
+
+    def committed_steps(self) -> dict[int, Manifest]:
+        found = {manifest_step(p): self._manifest(o) for p, o in self.backend.objects.items()}
+        return {s: m for s, m in found.items() if s is not None and m is not None}
+
+    def _manifest(self, stored: Stored | None) -> Manifest | None:
+        """The manifest in ``stored``, or None if it is absent or not a committed manifest."""
+        if stored is None:
+            return None
+        if stored.data not in self._manifests:
+            body = _json(stored)
+            manifest = None
+            if body is not None and "tombstone" not in body:
+                try:
+                    manifest = Manifest.decode(stored.data, where="checker")
+                except CheckpointError:
+                    manifest = None
+            self._manifests[stored.data] = manifest
+        return self._manifests[stored.data]
+
+    # -- at the end of a run ---------------------------------------------------------------
+
+    def check_resume(self, store: Any, saved: Mapping[int, Sequence[Any]]) -> Violation | None:
+        """A fresh store resumes from the newest unfenced committed step, with a saved state."""
+        name = "resume-loads-a-saved-state"
+        pointer = _json(self.backend.objects.get(layout.LATEST_NAME))
+        steps = [s for s, m in self.committed_steps().items() if not fenced(pointer, s, _epoch(m))]
+        try:
+            info = store.latest()
+            if info is None:
+                return (
+                    Violation(name, f"latest() is None; committed: {steps}", -1) if steps else None
+                )
+            if info.step != max(steps, default=None):
+                return Violation(name, f"latest() is step {info.step}; committed: {steps}", -1)
+            state = store.load(info.step)
+        except CheckpointError as e:
+            return Violation(name, f"resuming failed: {type(e).__name__}: {e}", -1)
+        candidates = saved.get(info.step, ())
+        if not any(same_state(state, c) for c in candidates):
+            found = f"step {info.step} loads {state!r}, none of the {len(candidates)} states"
+            return Violation(name, f"{found} saved as that step (a mix?)", -1)
+        return None
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Deep equality of two states: tensors by dtype, shape and value; types must agree."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and bool(a == b)
+
+
+def _json(stored: Stored | None) -> dict[str, Any] | None:
+    if stored is None:
+        return None
+    try:
+        body = json.loads(stored.data)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _epoch(manifest: Manifest) -> int:
+    """The lease epoch a manifest was committed under (0 where manifests do not record it)."""
+    epoch = getattr(manifest, "lease_epoch", 0)
+    return epoch if isinstance(epoch, int) else 0
+
+
+def _step_of(pointer: Mapping[str, Any] | None) -> int:
+    step = pointer.get("step") if pointer is not None else None
+    return step if isinstance(step, int) else -1
+
+
+def trace(events: Sequence[Event], violation: Violation, setup: int) -> tuple[str, ...]:
+    """A readable line per operation (attempt ids shortened), the violation marked."""
+    names: dict[str, str] = {}
+
+    def attempt(match: re.Match[str]) -> str:
+        return names.setdefault(match.group(1), f"<a{len(names) + 1}>")
+
+    lines, count = [f"(setup: {setup} operations, not explored)"], 0
+    for e in events:
+        if e.outcome == "abandoned" or e.actor == "resume":
+            continue
+        paths = " ".join(e.paths)
+        number = "    "
+        if e.op in ("start", "end"):
+            what = "starts" if e.op == "start" else f"ends: {e.outcome}"
+        elif e.outcome == "killed":
+            what = f"KILLED before {e.op} {paths}"
+        else:
+            count += 1
+            number, what = f"{count:4d}", f"{e.op} {paths} -> {e.outcome}"
+        line = f"{number} {e.actor:<12} {short(what)}"
+        if e.seq == violation.seq:
+            line += f"   <== {violation.invariant}"
+        lines.append(re.sub(r"(?<=\.attempt-)([0-9a-f]{16})", attempt, line))
+    if violation.seq < 0:
+        lines.append(f"     (after the run) {violation.invariant}")
+    return tuple(lines)
+
+
+def short(text: str) -> str:
+    """One line, cut at TRACE_TEXT characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= TRACE_TEXT else text[: TRACE_TEXT - 3] + "..."

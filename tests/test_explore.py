@@ -1,0 +1,259 @@
+"""The deterministic interleaving explorer (ckptstore.testing.explore) and its self-tests.
+
+Each scenario runs at its CI bound (two actors: 2 preemptions; all four: 1; at most one crash
+everywhere) and must hold every invariant while exploring at least a known number of schedules,
+so the test cannot pass by exploring nothing. The self-tests feed the explorer deliberately
+broken actors and check that it names the invariant they break, that its bound counts what it
+says, that a crash stops cleanup code from touching storage, and that runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import re
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from ckptstore import layout
+from ckptstore.checksum import Crc32c
+from ckptstore.compat import current_environment
+from ckptstore.manifest import KIND_DIRECTORY, FileEntry, Manifest
+from ckptstore.testing import explore as ex
+from ckptstore.testing.invariants import payload_key
+from ckptstore.testing.scheduled_backend import (
+    Actor,
+    Choice,
+    ExplorerError,
+    InlineExecutor,
+    ScheduledBackend,
+    Scheduler,
+)
+
+MIN_SCHEDULES = {
+    "same-step": 400,
+    "two-steps": 300,
+    "prune": 500,
+    "gc": 150,
+    "gc-leased": 250,
+    "zombie": 700,
+    "all": 4000,
+}
+"""About a third of today's counts (1108, 821, 1449, 484, 702, 2023 and 11828): the code under
+test may gain or lose an operation, but a run that explores far fewer is not the one CI needs."""
+
+
+def _check(name: str) -> None:
+    result = ex.explore(name)
+    assert not result.failures, "\n\n".join(f.render() for f in result.failures)
+    assert not result.truncated
+    assert result.schedules >= MIN_SCHEDULES[name], result.schedules
+
+
+@pytest.mark.parametrize("name", [n for n in ex.SCENARIOS if n != "all"])
+def test_two_actor_scenario_holds_every_invariant(name: str) -> None:
+    _check(name)
+
+
+@pytest.mark.slow
+def test_two_writers_pruner_gc_and_a_crash_hold_every_invariant() -> None:
+    _check("all")
+
+
+def test_cli_prints_counts_and_the_summary_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ex.main(["--scenario", "gc", "--preemptions", "0"]) == 0
+    out = capsys.readouterr().out
+    count = re.search(r"^gc +(\d+) schedules", out, re.MULTILINE)
+    assert count is not None and int(count.group(1)) > 0, out
+    assert re.search(
+        rf"^explored {count.group(1)} schedules of 2 writers \+ pruner \+ gc \+ crash "
+        r"\(preemption bound 0, <=1 crash\): all invariants held$",
+        out,
+        re.MULTILINE,
+    ), out
+
+
+# -- self-tests: broken toy actors are caught, under the invariant they break --------------------
+
+
+def _toy(
+    actors: Callable[[ex.World], list[Actor]], prepare: Callable[[ex.World], None] | None = None
+) -> ex.Scenario:
+    return ex.Scenario("toy", "a deliberately broken actor", actors, prepare)
+
+
+def _committed_step_1(w: ex.World) -> None:
+    w.setup_save(w.store(lease=False), 1, {"step": 1})
+
+
+def _manifest_before_payload(w: ex.World) -> list[Actor]:
+    data = b"payload"
+    crc = Crc32c()
+    crc.update(data)
+    entry = FileEntry("blob.bin", len(data), crc.hexdigest())
+    env = current_environment(world_size=1)
+    manifest = Manifest(5, 0.0, KIND_DIRECTORY, (entry,), env, "toy")
+
+    def sloppy() -> None:
+        w.backend.create(layout.manifest_path(5), manifest.encode())
+        w.backend.write(payload_key(5, entry), [data])
+
+    return [Actor("sloppy", sloppy)]
+
+
+def _gc_deleting_a_manifest(w: ex.World) -> list[Actor]:
+    return [Actor("gc", lambda: w.backend.delete([layout.manifest_path(1)]), role="gc")]
+
+
+def _writer_deleting_a_step(w: ex.World) -> list[Actor]:
+    return [Actor("writer", lambda: w.backend.delete([layout.manifest_path(1)]))]
+
+
+def _pointer(w: ex.World, **changes: object) -> bytes:
+    body = json.loads(w.backend.read(layout.LATEST_NAME))
+    return json.dumps({**body, **changes}).encode()
+
+
+def _pointer_backwards(w: ex.World) -> list[Actor]:
+    w.setup_save(w.store(lease=False), 2, {"step": 2})
+    back = _pointer(w, step=1, manifest=layout.manifest_path(1))
+    return [Actor("writer", lambda: w.backend.write(layout.LATEST_NAME, [back]))]
+
+
+def _fenced_pointer_move(w: ex.World) -> list[Actor]:
+    stale = _pointer(w, epoch=1)
+
+    def zombie() -> None:
+        w.backend.write(layout.LEASE_NAME, [json.dumps({"epoch": 2}).encode()])
+        w.backend.write(layout.LATEST_NAME, [stale])
+
+    return [Actor("zombie", zombie)]
+
+
+@pytest.mark.parametrize(
+    ("actors", "prepare", "invariant"),
+    [
+        (_manifest_before_payload, None, "committed-step-whole"),
+        (_gc_deleting_a_manifest, _committed_step_1, "gc-spares-committed"),
+        (_writer_deleting_a_step, _committed_step_1, "retention-deletes-safely"),
+        (_pointer_backwards, _committed_step_1, "latest-moves-forward"),
+        (_fenced_pointer_move, _committed_step_1, "fenced-writer-never-moves-latest"),
+    ],
+)
+def test_a_broken_actor_is_caught(
+    actors: Callable[[ex.World], list[Actor]],
+    prepare: Callable[[ex.World], None] | None,
+    invariant: str,
+) -> None:
+    result = ex.explore(_toy(actors, prepare), ex.Bounds(preemptions=0, crashes=0))
+    assert [f.violation.invariant for f in result.failures] == [invariant]
+    failure = result.failures[0]
+    assert f"<== {invariant}" in "\n".join(failure.trace)
+    again = ex.replay(_toy(actors, prepare), failure.choices)
+    assert again is not None and again.violation == failure.violation
+
+
+def test_a_resume_that_loads_a_state_nobody_saved_is_caught() -> None:
+    def forgetful(w: ex.World) -> list[Actor]:  # step 1 holds a state no writer saved
+        w.saved[1] = [{"step": 1, "tag": "never saved"}]
+        return []
+
+    result = ex.explore(_toy(forgetful, _committed_step_1), ex.Bounds(0, 0))
+    assert [f.violation.invariant for f in result.failures] == ["resume-loads-a-saved-state"]
+
+
+# -- self-tests: the bound, crashes, determinism ---------------------------------------------------
+
+
+def _two_writers_of_two_objects(w: ex.World) -> list[Actor]:
+    def writer(name: str) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(2):
+                w.backend.write(f"{name}/{i}", [b"x"])
+
+        return run
+
+    return [Actor("a", writer("a")), Actor("b", writer("b"))]
+
+
+@pytest.mark.parametrize(
+    ("preemptions", "schedules"), [(0, 2), (1, 6), (2, 14), (3, 18), (4, 20), (5, 20)]
+)
+def test_the_preemption_bound_counts_involuntary_switches_only(
+    preemptions: int, schedules: int
+) -> None:
+    """Two actors, each a start and two writes: of the 20 interleavings, 2 need no
+    preemption, 4 one, 8 two, 4 three and 2 four; switching when an actor has finished is
+    free."""
+    scenario = _toy(_two_writers_of_two_objects)
+    result = ex.explore(scenario, ex.Bounds(preemptions=preemptions, crashes=0))
+    assert (result.schedules, result.failures) == (schedules, [])
+
+
+def test_a_crash_can_strike_before_each_write_of_each_actor() -> None:
+    """No preemption: 2 orders; each order has 4 writes to crash before (a crash before an
+    actor's first write also leaves the other to run alone)."""
+    result = ex.explore(_toy(_two_writers_of_two_objects), ex.Bounds(preemptions=0, crashes=1))
+    assert (result.schedules, result.failures) == (2 + 2 * 4, [])
+
+
+def test_a_crashed_actor_cannot_clean_up() -> None:
+    scheduler = Scheduler()
+    backend = ScheduledBackend(scheduler)
+
+    def careful() -> None:
+        backend.write("a", [b"1"])
+        try:
+            backend.write("b", [b"2"])
+        except BaseException:
+            backend.delete(["a"])  # a SIGKILL runs no cleanup: neither may this
+            raise
+
+    choices = iter([Choice("x"), Choice("x"), Choice("x", crash=True)])  # start, a, b
+    scheduler.run([Actor("x", careful)], lambda enabled, last: next(choices))
+    assert set(backend.objects) == {"a"}
+    assert [(e.op, e.outcome) for e in scheduler.events] == [
+        ("start", ""),
+        ("write", "1"),
+        ("write", "killed"),
+        ("end", "killed"),
+    ]
+
+
+def test_exploring_twice_explores_the_same_schedules() -> None:
+    first, second = (ex.explore("two-steps", ex.Bounds(preemptions=1)) for _ in range(2))
+    assert first.schedules == second.schedules > 0
+    broken = _toy(_gc_deleting_a_manifest, _committed_step_1)
+    runs = [ex.explore(broken, ex.Bounds(preemptions=1), keep_going=True) for _ in range(2)]
+    assert runs[0].schedules == runs[1].schedules
+    assert [f.choices for f in runs[0].failures] == [f.choices for f in runs[1].failures]
+
+
+def test_a_run_that_depends_on_more_than_the_choices_is_an_error() -> None:
+    calls = itertools.count()
+
+    def moody(w: ex.World) -> list[Actor]:
+        writes = 2 - next(calls) % 2  # two writes in one run, one in the next
+
+        def run() -> None:
+            for i in range(writes):
+                w.backend.write(f"m/{i}", [b"x"])
+
+        return [Actor("moody", run), Actor("steady", lambda: w.backend.write("s", [b"x"]))]
+
+    with pytest.raises(ExplorerError, match="diverged"):
+        ex.explore(_toy(moody), ex.Bounds(preemptions=2, crashes=0))
+
+
+def test_store_thread_pools_are_real_again_after_exploring() -> None:
+    ex.explore("gc", ex.Bounds(preemptions=0, crashes=0))
+    pools = {
+        name: vars(module).get("ThreadPoolExecutor")
+        for name, module in list(sys.modules.items())
+        if name.startswith("ckptstore.") and "ThreadPoolExecutor" in vars(module)
+    }
+    assert pools["ckptstore.commit"] is concurrent.futures.ThreadPoolExecutor
+    assert {name for name, pool in pools.items() if pool is InlineExecutor} == set()
