@@ -322,7 +322,8 @@ def test_push_into_a_store_a_live_writer_holds_needs_takeover(
     tmp_path: Path, step_dir: Path
 ) -> None:
     uri = str(tmp_path / "live")
-    with CheckpointStore(uri) as trainer:  # a training job, alive, holds the writer lease
+    # a training job, alive, holds the writer lease (a short TTL: its heartbeat is seen at once)
+    with CheckpointStore(uri, lease_ttl=2) as trainer:
         trainer.save(1, {"w": torch.zeros(2)})
         done = ckpt("push", str(step_dir), uri, "--step", "2")
         assert done.returncode == 5

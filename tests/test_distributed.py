@@ -247,7 +247,7 @@ def test_a_lease_held_elsewhere_stops_every_rank_before_any_upload(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     uri = str(tmp_path / "store")
-    other = CheckpointStore(uri)
+    other = CheckpointStore(uri, lease_ttl=2)  # heartbeats every 0.5 s: seen alive at once
     other.hold_lease()  # a live job writes this store
     messages = run_ranks(_save_while_leased, 2, tmp_path / "ranks", uri)
     for message in messages:
