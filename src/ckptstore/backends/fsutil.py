@@ -69,13 +69,19 @@ def atomic_write(target: Path, chunks: Iterable[Chunk]) -> int:
     must exist.
     """
     tmp, size = write_temp(target, chunks)
+    move_into_place(tmp, target)
+    return size
+
+
+def move_into_place(tmp: Path, target: Path) -> None:
+    """Rename a finished temp file over ``target`` and fsync the directory; on failure the
+    temp file is removed."""
     try:
         os.replace(tmp, target)
     except BaseException:
         unlink_quietly(tmp)
         raise
     fsync_dir(target.parent)
-    return size
 
 
 def fsync_dir(path: Path) -> None:

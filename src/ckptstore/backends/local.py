@@ -30,6 +30,7 @@ from ckptstore.backends.fsutil import (
     TMP_PREFIX,
     atomic_write,
     fsync_dir,
+    move_into_place,
     temp_path,
     unlink_quietly,
     write_temp,
@@ -140,12 +141,7 @@ class LocalBackend(BaseBackend):
                 with open(source, "rb") as f:
                     self.write(dst, iter(lambda: f.read(1 << 22), b""))
                 return
-            try:
-                os.replace(tmp, target)
-            except BaseException:
-                unlink_quietly(tmp)
-                raise
-            fsync_dir(target.parent)
+            move_into_place(tmp, target)
 
     def stat(self, path: str) -> ObjectInfo | None:
         try:
