@@ -238,6 +238,20 @@ def test_interrupted_prune_leaves_only_garbage_that_gc_removes(make_store: Store
     assert [i.step for i in store.list()] == [2, 3]  # the tombstone is not a step
 
 
+def test_a_step_directory_left_with_only_a_lock_file_is_garbage(tmp_path: Path) -> None:
+    """A writer killed between unlinking a step's last file and removing its directory leaves
+    the directory holding only the lock file of a swap; gc must still remove it."""
+    store = CheckpointStore(str(tmp_path / "store"), lease=False)
+    store.save(1, state_for(1))
+    store.backend.swap(manifest_path(2), b"{}", None)  # the swap leaves its lock file
+    (tmp_path / "store" / manifest_path(2)).unlink()  # killed before the rmdir
+    left = tmp_path / "store" / step_dir(2)
+    assert [p.name.startswith(".ckpt-lock-") for p in left.iterdir()] == [True]
+    store.gc(older_than=0)
+    assert not left.exists()
+    assert [i.step for i in store.list()] == [1]
+
+
 # -- 5. checksums: every byte verified on load; fall back to the previous good step ---------
 
 

@@ -183,7 +183,8 @@ class LocalBackend(BaseBackend):
 
     def partial_writes(self, prefix: str) -> builtins.list[PartialWrite]:
         """Stray temp files, and empty directories: a process killed after a write's mkdir,
-        or between a delete's unlinks and its rmdir, leaves one, which no listing shows."""
+        or between a delete's unlinks and its rmdir, leaves one, which no listing shows. A
+        directory holding only lock files counts as empty, as it does for delete."""
         found = [
             PartialWrite(path, upload_id=path, started=st.st_mtime)
             for path, st in self._walk(prefix)
@@ -193,7 +194,8 @@ class LocalBackend(BaseBackend):
             self._path(prefix.rsplit("/", 1)[0] if "/" in prefix else "")
         ):
             rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-            if not dirs and not files and rel != "." and rel.startswith(prefix):
+            only_locks = all(name.startswith(LOCK_PREFIX) for name in files)
+            if not dirs and only_locks and rel != "." and rel.startswith(prefix):
                 found.append(PartialWrite(rel, upload_id=rel, started=_mtime(dirpath)))
         return found
 

@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckptstore import layout
+from ckptstore.backends.local import LOCK_PREFIX
 from ckptstore.errors import CheckpointError, NotFoundError
 from ckptstore.manifest import is_tombstone
 from ckptstore.pointer import Pointer
 from ckptstore.testing.killsaver import make_state, same_state
-
-LOCK_PREFIX = ".ckpt-lock-"
 
 
 class RawView(Protocol):
