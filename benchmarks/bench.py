@@ -131,7 +131,7 @@ def start_s3(args: argparse.Namespace, stack: ExitStack) -> tuple[S3Target, Any]
         client = boto3.client("s3", endpoint_url=args.endpoint_url, region_name=target.region)
         client.head_bucket(Bucket=args.bucket)  # fail early, with boto3's own message
         return target, client
-    from ckptstore.s3server import LocalS3Server
+    from ckptstore.testing.s3server import LocalS3Server
 
     server = stack.enter_context(LocalS3Server())
     server.create_bucket(args.bucket)

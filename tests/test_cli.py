@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.cli import exit_code_for
-from ckptstore.cli_common import parse_pair
+from ckptstore.cli.common import parse_pair
+from ckptstore.cli.main import exit_code_for
 from ckptstore.errors import (
     AccessDeniedError,
     BackendError,
@@ -38,7 +38,7 @@ from ckptstore.errors import (
     ObjectExistsError,
     PreconditionFailedError,
 )
-from ckptstore.s3server import LocalS3Server
+from ckptstore.testing.s3server import LocalS3Server
 
 BIN = Path(sys.executable).parent
 CKPTSTORE = shutil.which("ckptstore", path=str(BIN)) or shutil.which("ckptstore")

@@ -16,16 +16,19 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
+from ckptstore.backends.base import BackendProxy
 from ckptstore.backends.registry import open_backend
-from ckptstore.commit import Committer, SourceFile
+from ckptstore.commit import Committer
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
     CorruptCheckpointError,
     NotFoundError,
+    PreconditionFailedError,
     UnsafeLoadError,
 )
 from ckptstore.layout import LATEST_NAME, manifest_path, step_dir
+from ckptstore.payload import SourceFile
 from faults import FaultyBackend, InjectedFault
 from keys import file_key
 
@@ -193,7 +196,7 @@ def test_latest_pointing_at_a_deleted_step_falls_back(make_store: StoreFactory) 
     store = make_store()
     store.save(1, state_for(1))
     store.save(2, state_for(2))
-    store._committer.uncommit(2)  # behind the store's back: the pointer dangles
+    store._remover.uncommit(2)  # behind the store's back: the pointer dangles
     assert store.latest().step == 1  # type: ignore[union-attr]
     assert_state_is(store.load(), 1)
 
@@ -230,12 +233,32 @@ def test_interrupted_prune_leaves_only_garbage_that_gc_removes(make_store: Store
     pruner = CheckpointStore(store.uri, keep_last=1, backend=faulty)
     with pytest.raises(InjectedFault):
         pruner.prune()
+    store.reload()  # another store object removed a step: forget the manifests read before
     assert [i.step for i in store.list()] == [2, 3]  # step 1 is uncommitted, not half-there
     assert store.backend.stat(garbage) is not None  # garbage remains
     report = store.gc(older_than=0)
     assert garbage in report.deleted
     assert [o.path for o in store.backend.list(step_dir(1) + "/")] == [manifest_path(1)]
     assert [i.step for i in store.list()] == [2, 3]  # the tombstone is not a step
+
+
+class SwapAnswerLost(BackendProxy):
+    """A compare-and-swap that lands, but whose answer is lost and whose retry then finds the
+    object changed (S3 after a connection reset): PreconditionFailedError, yet done."""
+
+    def swap(self, path: str, data: bytes, expected: str | None) -> str:
+        self.inner.swap(path, data, expected)
+        raise PreconditionFailedError(f"{path} changed since it was read (the retry)")
+
+
+def test_a_delete_whose_swap_answer_was_lost_still_completes(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "store"), lease=False)
+    for step in (1, 2):
+        store.save(step, state_for(step))
+    lossy = CheckpointStore(store.uri, backend=SwapAnswerLost(store.backend), lease=False)
+    lossy.delete(1)
+    assert [i.step for i in store.list()] == [2]
+    assert list(store.backend.list(step_dir(1) + "/")) == []  # payload and tombstone gone
 
 
 def test_a_step_directory_left_with_only_a_lock_file_is_garbage(tmp_path: Path) -> None:

@@ -20,18 +20,13 @@ import pytest
 
 from ckptstore import layout
 from ckptstore.checksum import Crc32c
-from ckptstore.compat import current_environment
+from ckptstore.environment import current_environment
 from ckptstore.manifest import KIND_DIRECTORY, FileEntry, Manifest
 from ckptstore.testing import explore as ex
 from ckptstore.testing.invariants import payload_key
-from ckptstore.testing.scheduled_backend import (
-    Actor,
-    Choice,
-    ExplorerError,
-    InlineExecutor,
-    ScheduledBackend,
-    Scheduler,
-)
+from ckptstore.testing.scenarios import SCENARIOS, Scenario, World
+from ckptstore.testing.scheduled_backend import ScheduledBackend
+from ckptstore.testing.scheduler import Actor, Choice, ExplorerError, InlineExecutor, Scheduler
 
 MIN_SCHEDULES = {
     "same-step": 400,
@@ -53,7 +48,7 @@ def _check(name: str) -> None:
     assert result.schedules >= MIN_SCHEDULES[name], result.schedules
 
 
-@pytest.mark.parametrize("name", [n for n in ex.SCENARIOS if n != "all"])
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "all"])
 def test_two_actor_scenario_holds_every_invariant(name: str) -> None:
     _check(name)
 
@@ -80,16 +75,16 @@ def test_cli_prints_counts_and_the_summary_line(capsys: pytest.CaptureFixture[st
 
 
 def _toy(
-    actors: Callable[[ex.World], list[Actor]], prepare: Callable[[ex.World], None] | None = None
-) -> ex.Scenario:
-    return ex.Scenario("toy", "a deliberately broken actor", actors, prepare)
+    actors: Callable[[World], list[Actor]], prepare: Callable[[World], None] | None = None
+) -> Scenario:
+    return Scenario("toy", "a deliberately broken actor", actors, prepare)
 
 
-def _committed_step_1(w: ex.World) -> None:
+def _committed_step_1(w: World) -> None:
     w.setup_save(w.store(lease=False), 1, {"step": 1})
 
 
-def _manifest_before_payload(w: ex.World) -> list[Actor]:
+def _manifest_before_payload(w: World) -> list[Actor]:
     data = b"payload"
     crc = Crc32c()
     crc.update(data)
@@ -104,26 +99,26 @@ def _manifest_before_payload(w: ex.World) -> list[Actor]:
     return [Actor("sloppy", sloppy)]
 
 
-def _gc_deleting_a_manifest(w: ex.World) -> list[Actor]:
+def _gc_deleting_a_manifest(w: World) -> list[Actor]:
     return [Actor("gc", lambda: w.backend.delete([layout.manifest_path(1)]), role="gc")]
 
 
-def _writer_deleting_a_step(w: ex.World) -> list[Actor]:
+def _writer_deleting_a_step(w: World) -> list[Actor]:
     return [Actor("writer", lambda: w.backend.delete([layout.manifest_path(1)]))]
 
 
-def _pointer(w: ex.World, **changes: object) -> bytes:
+def _pointer(w: World, **changes: object) -> bytes:
     body = json.loads(w.backend.read(layout.LATEST_NAME))
     return json.dumps({**body, **changes}).encode()
 
 
-def _pointer_backwards(w: ex.World) -> list[Actor]:
+def _pointer_backwards(w: World) -> list[Actor]:
     w.setup_save(w.store(lease=False), 2, {"step": 2})
     back = _pointer(w, step=1, manifest=layout.manifest_path(1))
     return [Actor("writer", lambda: w.backend.write(layout.LATEST_NAME, [back]))]
 
 
-def _fenced_pointer_move(w: ex.World) -> list[Actor]:
+def _fenced_pointer_move(w: World) -> list[Actor]:
     stale = _pointer(w, epoch=1)
 
     def zombie() -> None:
@@ -144,8 +139,8 @@ def _fenced_pointer_move(w: ex.World) -> list[Actor]:
     ],
 )
 def test_a_broken_actor_is_caught(
-    actors: Callable[[ex.World], list[Actor]],
-    prepare: Callable[[ex.World], None] | None,
+    actors: Callable[[World], list[Actor]],
+    prepare: Callable[[World], None] | None,
     invariant: str,
 ) -> None:
     result = ex.explore(_toy(actors, prepare), ex.Bounds(preemptions=0, crashes=0))
@@ -157,7 +152,7 @@ def test_a_broken_actor_is_caught(
 
 
 def test_a_resume_that_loads_a_state_nobody_saved_is_caught() -> None:
-    def forgetful(w: ex.World) -> list[Actor]:  # step 1 holds a state no writer saved
+    def forgetful(w: World) -> list[Actor]:  # step 1 holds a state no writer saved
         w.saved[1] = [{"step": 1, "tag": "never saved"}]
         return []
 
@@ -168,7 +163,7 @@ def test_a_resume_that_loads_a_state_nobody_saved_is_caught() -> None:
 # -- self-tests: the bound, crashes, determinism ---------------------------------------------------
 
 
-def _two_writers_of_two_objects(w: ex.World) -> list[Actor]:
+def _two_writers_of_two_objects(w: World) -> list[Actor]:
     def writer(name: str) -> Callable[[], None]:
         def run() -> None:
             for i in range(2):
@@ -235,7 +230,7 @@ def test_exploring_twice_explores_the_same_schedules() -> None:
 def test_a_run_that_depends_on_more_than_the_choices_is_an_error() -> None:
     calls = itertools.count()
 
-    def moody(w: ex.World) -> list[Actor]:
+    def moody(w: World) -> list[Actor]:
         writes = 2 - next(calls) % 2  # two writes in one run, one in the next
 
         def run() -> None:

@@ -20,7 +20,7 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.s3 import S3Backend
-from ckptstore.commit import Committer, SourceFile
+from ckptstore.commit import Committer
 from ckptstore.errors import (
     BackendError,
     ConflictError,
@@ -28,6 +28,7 @@ from ckptstore.errors import (
     PreconditionFailedError,
 )
 from ckptstore.layout import LATEST_NAME
+from ckptstore.payload import SourceFile
 from ckptstore.testing.faultproxy import QUIRKS, FaultProxy
 
 MiB = 1 << 20

@@ -20,10 +20,10 @@ import torch
 
 from ckptstore import CheckpointStore, Loaded
 from ckptstore.backends.base import Backend
-from ckptstore.commit import SourceFile
 from ckptstore.errors import ConflictError, CorruptCheckpointError, NotFoundError
 from ckptstore.layout import LATEST_NAME, manifest_path, step_dir
 from ckptstore.manifest import KIND_STATE, Manifest
+from ckptstore.payload import SourceFile
 from ckptstore.pointer import Pointer
 from ckptstore.serialize import encode_state
 from keys import file_key
@@ -400,7 +400,7 @@ def test_a_schema_1_store_loads_and_takes_new_saves(v1_store: Path, tmp_path: Pa
         assert all(r.ok for r in store.verify_all())
         assert store.gc(older_than=0).deleted == ()
         store.save(40, {"w": torch.ones(2)}, metadata={"after": "upgrade"})
-        assert [i.manifest.schema_version for i in store.list()] == [1, 2]  # kept last 2
+        assert [i.manifest.schema_version for i in store.list()] == [1, 3]  # kept last 2
         assert store.load(with_info=True).step == 40
 
 

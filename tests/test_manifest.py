@@ -9,7 +9,7 @@ import pytest
 
 from ckptstore.errors import CompatibilityError, ConfigError, CorruptCheckpointError
 from ckptstore.layout import check_relpath, check_step, parse_step_dir
-from ckptstore.manifest import KIND_STATE, Environment, FileEntry, Manifest
+from ckptstore.manifest import KIND_STATE, SCHEMA_VERSION, Environment, FileEntry, Manifest
 
 ENV = Environment("0.1.0", "3.11.7", "2.13.0", None, "host", None, 1)
 
@@ -49,7 +49,7 @@ def test_round_trip_is_exact() -> None:
         (b"{not json", CorruptCheckpointError, "not valid JSON"),
         (manifest().encode()[:40], CorruptCheckpointError, "corrupt or truncated"),
         (b"[]", CorruptCheckpointError, "not a JSON object"),
-        (encoded(schema_version=3), CompatibilityError, "newer than this ckptstore reads"),
+        (encoded(schema_version=4), CompatibilityError, "newer than this ckptstore reads"),
         (encoded(schema_version="1"), CorruptCheckpointError, "expected 1"),
         (encoded(surprise=1), CorruptCheckpointError, "unknown fields \\['surprise'\\]"),
         (encoded(step=-3), CorruptCheckpointError, "non-negative integer"),
@@ -137,3 +137,51 @@ def test_step_parsing() -> None:
     assert parse_step_dir("global_step_040") is None
     assert parse_step_dir("global_step_x") is None
     assert parse_step_dir("other") is None
+
+
+# -- schema 3: the files_by_key index -----------------------------------------------------------
+
+INDEX = {"model": ("actor/model.pt",), "step": ()}
+
+
+def test_the_index_round_trips_and_is_signed() -> None:
+    indexed = manifest(files_by_key=INDEX)
+    assert indexed.schema_version == SCHEMA_VERSION == 3
+    assert Manifest.decode(indexed.encode(), where="m") == indexed
+    assert json.loads(indexed.signed_bytes())["files_by_key"] == {
+        "model": ["actor/model.pt"],
+        "step": [],
+    }
+    other = manifest(files_by_key={"model": (), "step": ("actor/model.pt",)})
+    assert other.signed_bytes() != indexed.signed_bytes()
+    assert json.loads(manifest().encode())["files_by_key"] is None
+
+
+def test_schema_2_manifests_have_no_index_and_keep_their_bytes() -> None:
+    """Written before schema 3: decoded without the field, re-encoded (and so signed) without
+    it, and a schema-2 manifest that carries it is refused as the strict decoder always did."""
+    old = manifest(schema_version=2)
+    assert "files_by_key" not in json.loads(old.encode())
+    assert "files_by_key" not in json.loads(old.signed_bytes())
+    decoded = Manifest.decode(old.encode(), where="m")
+    assert decoded == old and decoded.files_by_key is None
+    body = json.loads(old.encode())
+    body["files_by_key"] = {"model": ["actor/model.pt"]}
+    with pytest.raises(CorruptCheckpointError, match=r"unknown fields \['files_by_key'\]"):
+        Manifest.decode(json.dumps(body).encode(), where="m")
+    with pytest.raises(CorruptCheckpointError, match="needs schema_version 3"):
+        manifest(schema_version=2, files_by_key=INDEX)
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        ([], "files_by_key is not an object"),
+        ({"model": "actor/model.pt"}, "is not a list of paths"),
+        ({"model": [1]}, "is not a list of paths"),
+        ({"model": ["elsewhere.safetensors"]}, "which the manifest does not list"),
+    ],
+)
+def test_a_malformed_index_is_corruption(index: Any, message: str) -> None:
+    with pytest.raises(CorruptCheckpointError, match=message):
+        Manifest.decode(encoded(files_by_key=index), where="m")

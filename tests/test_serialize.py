@@ -13,8 +13,21 @@ import pytest
 import safetensors.torch
 import torch
 
-from ckptstore.errors import CorruptCheckpointError, SerializationError, UnsafeLoadError
-from ckptstore.serialize import PICKLE_FILE, SKELETON_FILE, decode_shard, decode_state, encode_state
+from ckptstore.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    NotFoundError,
+    SerializationError,
+    UnsafeLoadError,
+)
+from ckptstore.serialize import (
+    PICKLE_FILE,
+    SKELETON_FILE,
+    check_keys,
+    decode_shard,
+    decode_state,
+    encode_state,
+)
 
 
 def files_of(state: Any, **options: Any) -> dict[str, bytearray]:
@@ -240,3 +253,71 @@ def test_malformed_files_are_corruption_errors(mutate: Any) -> None:
     mutate(files)
     with pytest.raises(CorruptCheckpointError, match="global_step_3"):
         decode_state(files.__getitem__, where="s3://b/run/global_step_3")
+
+
+# -- partial decoding: keys select parts, and only their shards are read ------------------------
+
+
+def partial(state: Any, keys: list[str], **options: Any) -> tuple[Any, list[str], list[str]]:
+    """``decode_state(keys=...)`` of ``state``: the result, the files read, the prefetch list."""
+    files = files_of(state, **options)
+    read: list[str] = []
+    prefetched: list[str] = []
+
+    def reader(path: str) -> bytearray:
+        read.append(path)
+        return files[path]
+
+    back = decode_state(reader, where="t", keys=keys, prefetch=prefetched.extend)
+    return back, read, prefetched
+
+
+def test_files_by_key_names_the_shards_of_each_top_level_key() -> None:
+    tied = torch.ones(3)
+    state = {"a": {"w": tied, "x": torch.zeros(64)}, "b": {"t": tied}, "n": 1, 5: torch.ones(1)}
+    index = encode_state(state, shard_size=64).files_by_key
+    assert index == {
+        "a": ("a-00000.safetensors", "a-00001.safetensors"),
+        "b": ("a-00000.safetensors",),  # the tied tensor lives with the key saved first
+        "n": (),
+    }  # 5 is no str: no dotted path reaches it
+    assert encode_state([torch.ones(1)]).files_by_key is None
+    assert encode_state({}).files_by_key == {}
+
+
+def test_keys_decode_only_the_selected_parts_from_their_shards() -> None:
+    state = {
+        "model": {"enc": {"w": torch.ones(4)}, "dec": {"w": torch.zeros(64)}},
+        "opt": {0: torch.ones(2)},
+        "step": 3,
+    }
+    back, read, prefetched = partial(state, ["model.enc", "step"], shard_size=64)
+    assert_same(back, {"model": {"enc": state["model"]["enc"]}, "step": 3})
+    assert read == [SKELETON_FILE, "model-00000.safetensors"]
+    assert prefetched == ["model-00000.safetensors"]
+    back, read, _ = partial(state, ["opt"], shard_size=64)
+    assert_same(back, {"opt": state["opt"]})
+    assert read == [SKELETON_FILE, "opt-00000.safetensors"]
+
+
+def test_keys_reach_str_keys_of_dicts_with_other_keys_too() -> None:
+    state = {"m": {1: torch.ones(1), "s": {"w": torch.ones(2)}}, 2: "two"}
+    back, _, _ = partial(state, ["m.s.w"])
+    assert_same(back, {"m": {"s": {"w": torch.ones(2)}}})
+
+
+def test_a_missing_key_is_not_found_naming_what_there_is() -> None:
+    with pytest.raises(NotFoundError, match=r"no key 'x'; its top-level keys are \['a', 'b'\]"):
+        partial({"a": 1, "b": 2}, ["x"])
+    many = {f"k{i}": i for i in range(30)}
+    with pytest.raises(NotFoundError, match=r"'k19', \.\.\. \(10 more\)\]"):
+        partial(many, ["x"])
+    with pytest.raises(NotFoundError, match="not a dict"):
+        partial([1, 2], ["0"])
+
+
+@pytest.mark.parametrize("keys", ["a", b"a", [], ["a."], [".a"], [None], 3])
+def test_keys_must_be_a_list_of_dotted_paths(keys: Any) -> None:
+    with pytest.raises(ConfigError, match="keys"):
+        check_keys(keys)
+    assert check_keys(("a", "b.c")) == ("a", "b.c")

@@ -68,7 +68,9 @@ class BackgroundSaver(Generic[T]):
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
                 # Runs before concurrent.futures refuses new work at shutdown (it registers the
                 # same way, earlier, and these run last-registered first), so a save queued when
-                # the script returns can still use thread pools to finish.
+                # the script returns can still use thread pools to finish. Private, but no public
+                # hook runs early enough: atexit.register runs after threading's shutdown (the
+                # save then fails, uncommitted), and a non-daemon thread is joined after it.
                 threading._register_atexit(self._flush_at_exit)  # type: ignore[attr-defined]
             future = self._executor.submit(work)
             future.add_done_callback(lambda f: _log_failure(step, f))

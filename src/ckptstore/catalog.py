@@ -1,45 +1,55 @@
-"""The read side of a store: the pointer, the step listing, manifests and verified payload reads.
+"""The read side of a store: the pointer, the step listing, manifests, and which step is latest.
 
-Manifests are the truth and ``latest`` is a fast path (see commit.py). Everything here only
-reads, and everything it returns has been checked: manifests strictly decoded (and their
-signature checked, in a signed store), payload bytes against the size, CRC32C and, where the
-manifest has one, SHA-256 it lists. A size is checked against the object itself before any
-memory is allocated for it, so a manifest that promises a huge file reads as corruption, not as
-an out-of-memory crash.
+Manifests are the truth and ``latest`` is a fast path (commit.py). Everything here only reads,
+and everything it returns has been checked: manifests strictly decoded (and their signature
+checked, in a signed store), payload bytes against their entries (verified.py).
+
+A committed manifest never changes, so the catalog keeps every manifest it has decoded, by
+step: listing a store of 10,000 steps a second time costs one listing of step directories and
+a GET for each step not seen before. An entry is dropped when its step directory disappears
+from a listing or this process removes the step. Reads that act on one step (``info``,
+``load``, ``verify``) always fetch its manifest afresh.
 """
 
 from __future__ import annotations
 
-import hashlib
+import builtins
+import itertools
 import logging
-import mmap
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from ckptstore import layout
-from ckptstore.backends.base import Backend, Chunk, join
-from ckptstore.checksum import Crc32c
+from ckptstore.backends.base import Backend, join
 from ckptstore.errors import (
+    CheckpointError,
+    CompatibilityError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     NotFoundError,
 )
+from ckptstore.info import CheckpointInfo, SaveStats
 from ckptstore.manifest import FileEntry, Manifest
 from ckptstore.pointer import Pointer
 from ckptstore.signing import Signer
+from ckptstore.verified import payload_sizes, read_verified
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-STAT_BEFORE_READ = 16 << 20
-"""Files above this size are stat'ed before their buffer is allocated (one HEAD on S3): the
-manifest's size is a promise, the object's is a fact."""
 TORN_READ_RETRIES = 3
 """Small control objects re-read after an undecodable read: some S3-compatible servers let a
 reader see a PUT in progress."""
+SCAN_THREADS = 16
+"""Manifests fetched at once by a listing: each is one small GET, so latency, not bandwidth,
+bounds them."""
 
 
 class Catalog:
-    """Reads one backend's steps, manifests and pointer."""
+    """Reads one backend's steps, manifests and pointer; remembers the manifests it read."""
 
     def __init__(
         self,
@@ -51,27 +61,135 @@ class Catalog:
         self.backend = backend
         self.signer = signer
         self.sleep = sleep
+        self._manifests: dict[int, Manifest] = {}
+        self._lock = threading.Lock()
 
     def uri(self, path: str) -> str:
         return join(self.backend.uri, path) if path else self.backend.uri
 
+    # -- manifests -----------------------------------------------------------------------
+
     def read_manifest(self, step: int) -> Manifest:
-        """The step's manifest; NotFoundError if the step is not committed."""
+        """The step's manifest, fetched now; NotFoundError if the step is not committed."""
         path = layout.manifest_path(step)
+        where = self.uri(path)
         try:
             data = self.backend.read(path)
         except NotFoundError as e:
+            self.forget(step)
             raise NotFoundError(
-                f"step {step} is not committed in {self.backend.uri} (no {path})"
+                f"step {step} is not committed in {self.backend.uri} (no {path})",
+                uri=where,
+                step=step,
+                path=path,
             ) from e
-        manifest = Manifest.decode(data, where=self.uri(path))
+        manifest = Manifest.decode(data, where=where)
         if self.signer is not None:
-            self.signer.check(manifest, self.uri(path))
+            self.signer.check(manifest, where)
         if manifest.step != step:
             raise CorruptCheckpointError(
-                f"{self.uri(path)}: manifest says step {manifest.step}, expected {step}"
+                f"{where}: manifest says step {manifest.step}, expected {step}",
+                uri=where,
+                step=step,
+                path=path,
             )
+        self.remember(manifest)
         return manifest
+
+    def manifest(self, step: int) -> Manifest:
+        """The step's manifest, from memory when this catalog has read it before."""
+        with self._lock:
+            known = self._manifests.get(step)
+        return known if known is not None else self.read_manifest(step)
+
+    def remember(self, manifest: Manifest) -> None:
+        with self._lock:
+            self._manifests[manifest.step] = manifest
+
+    def forget(self, step: int) -> None:
+        with self._lock:
+            self._manifests.pop(step, None)
+
+    def forget_all(self) -> None:
+        with self._lock:
+            self._manifests.clear()
+
+    def is_committed(self, step: int, *, fresh: bool = False) -> bool:
+        """Whether the step has a readable manifest (from memory when known, unless
+        ``fresh``)."""
+        try:
+            self.read_manifest(step) if fresh else self.manifest(step)
+        except NotFoundError:
+            return False
+        except (CorruptCheckpointError, CompatibilityError) as e:
+            log.warning("step %d has an unreadable manifest: %s", step, e)
+            return False
+        return True
+
+    def info(self, step: int) -> CheckpointInfo:
+        """The committed step's info, its manifest fetched now; NotFoundError if uncommitted."""
+        return self.info_of(self.read_manifest(layout.check_step(step)))
+
+    def info_of(self, manifest: Manifest, stats: SaveStats | None = None) -> CheckpointInfo:
+        return CheckpointInfo(self.uri(layout.step_dir(manifest.step)), manifest, stats)
+
+    # -- listings ------------------------------------------------------------------------
+
+    def step_dirs(self) -> builtins.list[int]:
+        """Steps that have a directory in the store, committed or not, ascending (one LIST)."""
+        found = (layout.parse_step_dir(name) for name in self.backend.list_dirs(""))
+        steps = sorted(s for s in found if s is not None)
+        present = set(steps)
+        with self._lock:
+            for gone in [s for s in self._manifests if s not in present]:
+                del self._manifests[gone]
+        return steps
+
+    def scan(self) -> tuple[list[Manifest], dict[int, CheckpointError]]:
+        """Manifests of committed steps, and the steps whose manifest cannot be read."""
+
+        def read(step: int) -> Manifest | CheckpointError | None:
+            try:
+                return self.manifest(step)
+            except NotFoundError:
+                return None  # a directory without a manifest: not committed
+            except (CorruptCheckpointError, CompatibilityError) as e:
+                return e
+
+        steps = self.step_dirs()
+        with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="ckpt-scan") as pool:
+            results = list(pool.map(read, steps))
+        committed = [r for r in results if isinstance(r, Manifest)]
+        broken = {
+            s: r for s, r in zip(steps, results, strict=True) if isinstance(r, CheckpointError)
+        }
+        return committed, broken
+
+    def list(self) -> builtins.list[CheckpointInfo]:
+        """Every readable committed step, ascending. Broken manifests are logged, not listed."""
+        committed, broken = self.scan()
+        for step, error in broken.items():
+            log.warning("step %d has an unreadable manifest: %s", step, error)
+        return [self.info_of(m) for m in committed]
+
+    def retention_view(self, newest: int) -> builtins.list[int]:
+        """Step numbers for a retention policy to judge, at a cost bounded by ``newest``.
+
+        The newest ``newest`` committed steps are confirmed by reading their manifests now (a
+        remembered one may have been removed by another process since, and counting it would
+        let the policy delete one step too many); older step directories are taken on the
+        listing's word, since a policy can only choose to delete those, and each deletion is
+        confirmed by the uncommit itself.
+        """
+        older = self.step_dirs()
+        confirmed: builtins.list[int] = []
+        while older and len(confirmed) < newest:
+            step = older.pop()
+            if self.is_committed(step, fresh=True):
+                confirmed.append(step)
+        return older + confirmed[::-1]
+
+    # -- the pointer and latest ----------------------------------------------------------
 
     def read_pointer(self) -> tuple[Pointer | None, str | None]:
         """``(pointer, version)``; ``(None, None)`` if absent. Raises if it stays unreadable."""
@@ -88,81 +206,154 @@ class Catalog:
                 self.sleep(0.02 * 2**attempt)  # perhaps a write in progress: look again
         raise AssertionError("unreachable")
 
-    def step_dirs(self) -> list[int]:
-        """Steps that have a directory in the store, committed or not, ascending."""
-        found = (layout.parse_step_dir(name) for name in self.backend.list_dirs(""))
-        return sorted(s for s in found if s is not None)
+    def pointer_or_none(self) -> Pointer | None:
+        try:
+            return self.read_pointer()[0]
+        except CorruptCheckpointError:
+            return None
 
-    def payload_sizes(self, step: int) -> dict[str, int]:
-        """Every object's size under the step's directory, by path: one listing."""
-        return {o.path: o.size for o in self.backend.list(layout.step_dir(step) + "/")}
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed step: the pointer's, unless one listing of step directories
+        finds a newer committed step (the pointer is stale) or the pointer is broken (then by
+        listing every step). ``None`` only when the store holds no committed step.
+        """
+        pointer = None
+        try:
+            pointer, _ = self.read_pointer()
+            if pointer is not None and pointer.step is not None:
+                newer = self._committed_after(pointer)
+                return newer or self.info(pointer.step)
+        except (NotFoundError, CorruptCheckpointError) as e:
+            log.warning(
+                "%s: latest pointer is unusable (%s); falling back to listing", self.uri(""), e
+            )
+        infos = [i for i in self.list() if not fenced(pointer, i)]
+        if infos and pointer is None:
+            log.warning(
+                "%s: no %s, but committed steps exist; using the newest, %d",
+                self.uri(""),
+                layout.LATEST_NAME,
+                infos[-1].step,
+            )
+        return infos[-1] if infos else None
+
+    def _committed_after(self, pointer: Pointer) -> CheckpointInfo | None:
+        """The newest committed step past a stale pointer's, if any (one listing).
+
+        A writer killed between its commit and moving ``latest`` leaves one; resuming from the
+        pointer would then save that step again and fail. Manifests are the truth, except a
+        step that a writer committed after it lost the lease (pointer.py): never latest.
+        """
+        step = pointer.step if pointer.step is not None else -1
+        for newer in reversed([s for s in self.step_dirs() if s > step]):
+            try:
+                info = self.info(newer)
+            except NotFoundError:
+                continue  # a save in flight, or garbage for gc
+            except (CorruptCheckpointError, CompatibilityError) as e:
+                log.warning("step %d has an unreadable manifest: %s", newer, e)
+                continue
+            if fenced(pointer, info):
+                log.warning(
+                    "%s: step %d was committed by %s after it lost the writer lease (epoch "
+                    "%d); ignoring it (ckptstore rm removes it)",
+                    self.uri(""),
+                    newer,
+                    info.manifest.writer,
+                    info.manifest.lease_epoch,
+                )
+                continue
+            log.warning(
+                "%s: %s is at step %d, but step %d is committed (its writer stopped before "
+                "moving the pointer); using %d",
+                self.uri(""),
+                layout.LATEST_NAME,
+                step,
+                newer,
+                newer,
+            )
+            return info
+        return None
+
+    def resolve(
+        self, step: int | None, fallback: bool, action: Callable[[CheckpointInfo], T]
+    ) -> tuple[CheckpointInfo, T]:
+        """Run ``action`` on ``step``, or on latest, falling back to older good steps."""
+        if step is not None:
+            info = self.info(step)
+            return info, action(info)
+        latest = self.latest()
+        if latest is None:
+            raise NotFoundError(
+                f"{self.uri('')} holds no committed step: nothing to resume from. Check the "
+                "URI (and endpoint), or save a step first",
+                uri=self.uri(""),
+            )
+        candidates = itertools.chain([latest], self._older(latest) if fallback else [])
+        failures: builtins.list[str] = []
+        for info in candidates:
+            try:
+                return info, action(info)
+            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+                if not fallback:
+                    raise
+                log.warning("step %d failed verification (%s); trying an older step", info.step, e)
+                failures.append(f"step {info.step}: {e}")
+        raise CorruptCheckpointError(
+            f"{self.uri('')}: no committed step passed verification:\n  " + "\n  ".join(failures),
+            uri=self.uri(""),
+        )
+
+    def _older(self, latest: CheckpointInfo) -> Iterator[CheckpointInfo]:
+        """Committed steps before ``latest``, newest first, read only once needed."""
+        pointer = self.pointer_or_none()
+        for info in reversed(self.list()):
+            if info.step < latest.step and not fenced(pointer, info):
+                yield info
+
+    def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
+        """Committed steps (of ``infos``, default all) that a writer committed after it lost
+        the writer lease: never returned by ``latest()``/``load()``; ``delete`` removes them."""
+        pointer = self.pointer_or_none()
+        return [i.step for i in (self.list() if infos is None else infos) if fenced(pointer, i)]
+
+    def previous_manifest(self, kind: str) -> Manifest | None:
+        """The latest step's manifest, whose unchanged files a save copies, if of ``kind``."""
+        try:
+            pointer, _ = self.read_pointer()
+            if pointer is None or pointer.step is None:
+                return None
+            manifest = self.read_manifest(pointer.step)  # fresh: its files will be copied
+        except (NotFoundError, CorruptCheckpointError, CompatibilityError) as e:
+            log.debug("no previous step to reuse files from: %s", e)
+            return None
+        return manifest if manifest.kind == kind else None
+
+    # -- payload -------------------------------------------------------------------------
 
     def read_verified(
         self, step: int, entry: FileEntry, *, actual_size: int | None = None
     ) -> memoryview:
-        """A payload file's bytes after checking them against the manifest's entry.
+        """A payload file's bytes, checked against its manifest entry (verified.py)."""
+        return read_verified(self.backend, step, entry, actual_size=actual_size)
 
-        The buffer is allocated once at the manifest's size and filled in place, after the
-        object's real size (``actual_size`` from a listing, or a stat) matched it.
-        """
-        path = entry.key(step)
-        if actual_size is None and entry.size > STAT_BEFORE_READ:
-            found = self.backend.stat(path)
-            actual_size = found.size if found is not None else None
-            if found is None:
-                raise self._missing(path, step)
-        if actual_size is not None and actual_size != entry.size:
-            raise _size_mismatch(self.uri(path), actual_size, entry.size, step)
-        data = _unfilled_buffer(entry.size)
+    def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
+        """One payload file of a committed step by its path in the step, verified."""
         try:
-            size = self.backend.read_into(path, data)
-        except NotFoundError as e:
-            raise self._missing(path, step) from e
-        if size != entry.size:
-            raise _size_mismatch(self.uri(path), size, entry.size, step)
-        check_file(data, entry, where=self.uri(path), step=step)
-        return data
+            entry = info.manifest.file(path)
+        except KeyError as e:
+            raise NotFoundError(
+                f"{info.uri} has no file {path!r} in its manifest",
+                uri=info.uri,
+                step=info.step,
+                path=layout.step_dir(info.step),
+            ) from e
+        return self.read_verified(info.step, entry)
 
-    def _missing(self, path: str, step: int) -> IncompleteCheckpointError:
-        return IncompleteCheckpointError(
-            f"{self.uri(path)} is missing, but the manifest of step {step} lists it; "
-            "the step is incomplete. Load an earlier step"
-        )
-
-
-def _size_mismatch(where: str, size: int, expected: int, step: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{where}: {size} bytes, but the manifest of step {step} says {expected}; the file is "
-        "truncated or was overwritten. Load an earlier step"
-    )
+    def payload_sizes(self, step: int) -> dict[str, int]:
+        return payload_sizes(self.backend, step)
 
 
-def _unfilled_buffer(size: int) -> memoryview:
-    """Writable memory that nobody writes before the read does. ``bytearray(n)`` zero-fills
-    every byte while holding the GIL: on a 1 GiB load that cost about as much as the reads."""
-    if not size:
-        return memoryview(bytearray())
-    # MAP_PRIVATE: the default, MAP_SHARED, puts anonymous pages in shmem, slower to fault in
-    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
-
-
-def check_file(data: Chunk, entry: FileEntry, *, where: str, step: int) -> None:
-    """Raise CorruptCheckpointError naming the file and step unless the bytes match the entry:
-    size, CRC32C, and SHA-256 where the manifest has one (signed stores always do)."""
-    if len(data) != entry.size:
-        raise _size_mismatch(where, len(data), entry.size, step)
-    crc = Crc32c()
-    crc.update(data)
-    if crc.hexdigest() != entry.crc32c:
-        raise CorruptCheckpointError(
-            f"{where}: checksum mismatch (crc32c {crc.hexdigest()}, manifest of step {step} "
-            f"says {entry.crc32c}); the bytes are corrupt. Load an earlier step"
-        )
-    if entry.sha256 is not None:
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != entry.sha256:
-            raise CorruptCheckpointError(
-                f"{where}: SHA-256 mismatch (the CRC32C matches, so the bytes were changed on "
-                f"purpose: the manifest of step {step} says sha256 {entry.sha256}, the file has "
-                f"{digest}). Refusing it; load an earlier step"
-            )
+def fenced(pointer: Pointer | None, info: CheckpointInfo) -> bool:
+    """Whether ``info`` was committed by a writer that had lost the lease (pointer.py)."""
+    return pointer is not None and pointer.fenced(info.step, info.manifest.lease_epoch)

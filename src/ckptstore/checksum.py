@@ -9,7 +9,6 @@ path.
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Iterator
 
 import crc32c
 
@@ -31,20 +30,7 @@ class Crc32c:
         return f"{self.value:08x}"
 
 
-def crc32c_hex(data: Chunk) -> str:
-    crc = Crc32c()
-    crc.update(data)
-    return crc.hexdigest()
-
-
 def crc32c_base64(data: Chunk) -> str:
     """The form S3's ``ChecksumCRC32C`` header takes: big-endian bytes, base64."""
     value = crc32c.crc32c(data)
     return base64.b64encode(value.to_bytes(4, "big")).decode()
-
-
-def checksummed(chunks: Iterable[Chunk], crc: Crc32c) -> Iterator[Chunk]:
-    """Pass ``chunks`` through, updating ``crc`` with each."""
-    for chunk in chunks:
-        crc.update(chunk)
-        yield chunk

@@ -1,4 +1,4 @@
-"""The commit protocol, over any backend.
+"""The commit protocol, over any backend: how a step comes to exist.
 
 1. Each save attempt writes into a directory of its own (layout.py), an attempt marker first,
    then every payload file, each atomically, with a CRC32C (and, in signed stores, a SHA-256)
@@ -10,14 +10,9 @@
 3. ``latest`` then moves by compare-and-swap, only forward: on a lost race the pointer is
    re-read and the move retried only while our step is still newer. A pointer left ahead of
    every committed step (its step was deleted) is repaired by the next move.
-4. Uncommitting (retention, ``rm``) deletes the manifest first, then the payload, so an
-   interrupted delete leaves garbage that ``gc`` finds, never a half-deleted committed step.
-5. Removing the attempts of an uncommitted step (``abort_step``, used by ``discard`` and
-   ``gc``) first puts a tombstone at the manifest key with a create-only write. While it stands
-   no commit of the step can succeed, so no file is deleted from under a step being committed.
 
-Readers treat manifests as the truth and ``latest`` as a fast path (catalog.py, store.py).
-"""
+How steps and attempts go away again, tombstone first, is removal.py's part. Readers treat
+manifests as the truth and ``latest`` as a fast path (catalog.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +24,6 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from ckptstore import layout
 from ckptstore.backends.base import Backend, Chunk
@@ -50,26 +44,14 @@ from ckptstore.errors import (
 from ckptstore.manifest import (
     FileEntry,
     Manifest,
-    encode_tombstone,
-    is_tombstone,
     tombstone_attempts,
 )
+from ckptstore.payload import Progress, SourceFile
 from ckptstore.pointer import Pointer
+from ckptstore.removal import Remover
 from ckptstore.signing import Signer
 
 log = logging.getLogger(__name__)
-
-Progress = Callable[[int], None]
-"""Called with a number of bytes just transferred (CLI progress bars)."""
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    """A payload file to write: path in the step, a producer of its bytes, its size if known."""
-
-    path: str
-    chunks: Callable[[], Iterable[Chunk]]
-    size: int | None = None
 
 
 class Committer:
@@ -83,6 +65,7 @@ class Committer:
         clock: Callable[[], float] = time.time,
         signer: Signer | None = None,
         catalog: Catalog | None = None,
+        remover: Remover | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.backend = backend
@@ -91,6 +74,7 @@ class Committer:
         self.clock = clock
         self.sleep = sleep
         self.catalog = catalog if catalog is not None else Catalog(backend, signer=signer)
+        self.remover = remover or Remover(backend, writer=writer, catalog=self.catalog, clock=clock)
         self.digests = signer is not None
         """Record a SHA-256 of every file: signed manifests must cover the bytes themselves."""
 
@@ -144,7 +128,7 @@ class Committer:
             with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-write") as pool:
                 return list(pool.map(write_one, sources))
         except BaseException:
-            self.discard_attempts(step, {attempt})
+            self.remover.discard_attempts(step, {attempt})
             raise
 
     def begin_attempt(self, step: int, epoch: int, attempt: str | None = None) -> str:
@@ -220,34 +204,43 @@ class Committer:
         try:
             self.backend.create(path, data)
         except ObjectExistsError as e:
-            try:
-                held, version = self.backend.read_versioned(path)
-            except NotFoundError:
-                held, version = None, None
-            if held == data and manifest.writer == self.writer:
-                return manifest  # a retry found our own first attempt, whose answer was lost
-            removed = tombstone_attempts(held) if held is not None else None
-            if removed is not None:
-                if removed.isdisjoint(f.attempt for f in manifest.files):
-                    with contextlib.suppress(PreconditionFailedError):  # a newer claim won
-                        self.backend.swap(path, data, version)
-                        return manifest
-                raise ConflictError(
-                    f"step {manifest.step} in {self.backend.uri} was removed while this save "
-                    "staged its files (gc judged them abandoned, or a coordinator discarded the "
-                    "step); nothing was committed. Save again"
-                ) from e
-            raise ConflictError(
-                f"step {manifest.step} is already committed in {self.backend.uri}; committed "
-                "steps are immutable. Save under a new step, or `ckptstore rm` it first"
-            ) from e
+            self._commit_over(manifest, data, e)
+        self.catalog.remember(manifest)
         return manifest
 
-    def _read_or_none(self, path: str) -> bytes | None:
+    def _commit_over(self, manifest: Manifest, data: bytes, error: ObjectExistsError) -> None:
+        """The manifest key is taken: by our own write whose answer was lost (done), by a
+        tombstone naming none of our attempts (replace it by compare-and-swap), or else by a
+        rival's manifest or a removal of our attempts (ConflictError)."""
+        path = layout.manifest_path(manifest.step)
+        where = self.catalog.uri(path)
         try:
-            return self.backend.read(path)
+            held, version = self.backend.read_versioned(path)
         except NotFoundError:
-            return None
+            held, version = None, None
+        if held == data and manifest.writer == self.writer:
+            return
+        removed = tombstone_attempts(held) if held is not None else None
+        if removed is not None:
+            if removed.isdisjoint(f.attempt for f in manifest.files):
+                with contextlib.suppress(PreconditionFailedError):  # a newer claim won
+                    self.backend.swap(path, data, version)
+                    return
+            raise ConflictError(
+                f"step {manifest.step} in {self.backend.uri} was removed while this save "
+                "staged its files (gc judged them abandoned, or a coordinator discarded the "
+                "step); nothing was committed. Save again",
+                uri=where,
+                step=manifest.step,
+                path=path,
+            ) from error
+        raise ConflictError(
+            f"step {manifest.step} is already committed in {self.backend.uri}; committed "
+            "steps are immutable. Save under a new step, or `ckptstore rm` it first",
+            uri=where,
+            step=manifest.step,
+            path=path,
+        ) from error
 
     def advance_latest(self, step: int, *, epoch: int = 0, rollback: bool = False) -> bool:
         """Move ``latest`` to ``step`` by compare-and-swap; returns False if it was ahead.
@@ -325,125 +318,6 @@ class Committer:
             return True  # unreadable, but there: not ours to judge here
         return True
 
-    # -- deleting ------------------------------------------------------------------------
-
-    def uncommit(self, step: int) -> None:
-        """Delete a committed step: its manifest is swapped for a tombstone first (the step is
-        uncommitted from that instant), then the files it lists go, then the tombstone. A
-        delete that dies half-way leaves a tombstone and files that ``gc`` removes, never a
-        half step. Removing the tombstone at once is safe here, unlike in :meth:`abort_step`:
-        the files deleted belong to attempts that were committed, which nobody commits again."""
-        path = layout.manifest_path(step)
-        try:
-            data, version = self.backend.read_versioned(path)
-        except NotFoundError:
-            return
-        if is_tombstone(data):
-            return
-        manifest = Manifest.decode(data, where=self.catalog.uri(path))
-        attempts = {f.attempt for f in manifest.files if f.attempt is not None}
-        self.backend.swap(path, encode_tombstone(self.writer, self.clock(), attempts), version)
-        markers = {layout.attempt_marker_path(step, a) for a in attempts}
-        delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
-        self.drop_tombstone(step)
-
-    def discard_attempts(self, step: int, attempts: Iterable[str]) -> None:
-        """Remove our own attempts' files, unless a manifest of the step lists them (a commit
-        whose answer was lost). Another writer cannot commit our attempts, so no tombstone is
-        needed. Failures are logged: ``gc`` removes what is left."""
-        doomed = set(attempts)
-        try:
-            with contextlib.suppress(NotFoundError):
-                doomed -= {f.attempt for f in self.catalog.read_manifest(step).files}
-            paths = [
-                o.path
-                for o in self.backend.list(layout.step_dir(step) + "/")
-                if layout.parse_attempt_path(step, o.path) in doomed
-            ]
-            delete_attempt_files(self.backend, paths)
-        except CheckpointError as e:
-            log.warning("could not remove the files of uncommitted step %d (gc will): %s", step, e)
-
-    def abort_step(
-        self, step: int, attempts: set[str] | None = None, *, keep_tombstone: bool = True
-    ) -> list[str] | None:
-        """Remove the files of the step's uncommitted attempts (all of those present now, or
-        only ``attempts``); returns what was deleted, or ``None`` if the step is committed.
-
-        The attempts are chosen first, then the step's manifest key is claimed with a fresh
-        tombstone, then their files are deleted. A committer of a chosen attempt began before
-        the claim, so its create-only (or compare-and-swap) commit fails: no file is ever
-        deleted from under a step being committed. Files outside attempts are never touched.
-        ``keep_tombstone=False`` (a coordinator discarding its own ranks' attempts, which it
-        will not commit) removes the tombstone at the end; ``gc``, which removes attempts of
-        writers it does not know, keeps it, as :meth:`claim` explains.
-        """
-        prefix = layout.step_dir(step) + "/"
-        if attempts is None:
-            attempts = {
-                a
-                for o in self.backend.list(prefix)
-                if (a := layout.parse_attempt_path(step, o.path)) is not None
-            }
-        if not self.claim(step, attempts):
-            return None
-        doomed = [
-            o.path
-            for o in self.backend.list(prefix)
-            if layout.parse_attempt_path(step, o.path) in attempts
-        ]
-        delete_attempt_files(self.backend, doomed)
-        if not keep_tombstone:
-            self.drop_tombstone(step)
-        return doomed
-
-    def claim(self, step: int, attempts: Iterable[str]) -> bool:
-        """Put a fresh tombstone naming ``attempts`` at an uncommitted step's manifest key
-        (create-only, or by compare-and-swap over an older tombstone); False if a manifest is
-        there. A committer may commit over a tombstone that names none of its attempts, by
-        compare-and-swap against the version it read, so a newer claim always wins.
-
-        Tombstones are not deleted right away: a committer that saw the key empty before a
-        remover's tombstone could otherwise commit after the remover deleted both its files and
-        the tombstone. ``gc`` removes a tombstone once it is a day old.
-        """
-        path = layout.manifest_path(step)
-        tombstone = encode_tombstone(self.writer, self.clock(), attempts)
-        for _ in range(3):
-            try:
-                self.backend.create(path, tombstone)
-                return True
-            except ObjectExistsError:
-                pass
-            try:
-                held, version = self.backend.read_versioned(path)
-            except NotFoundError:
-                continue
-            if not is_tombstone(held):
-                return False
-            try:
-                self.backend.swap(path, tombstone, version)
-                return True
-            except PreconditionFailedError:
-                continue
-        return False
-
-    def drop_tombstone(self, step: int) -> None:
-        """Delete the step's tombstone, unless a manifest replaced it."""
-        path = layout.manifest_path(step)
-        held = self._read_or_none(path)
-        if held is not None and is_tombstone(held):
-            self.backend.delete([path])
-
-
-def delete_attempt_files(backend: Backend, paths: Iterable[str]) -> None:
-    """Delete attempt files, markers last, so an interrupted delete leaves a recognisable
-    attempt (marker present) rather than anonymous files."""
-    paths = list(paths)
-    markers = [p for p in paths if p.endswith("/" + layout.ATTEMPT_MARKER)]
-    backend.delete([p for p in paths if p not in markers])
-    backend.delete(markers)
-
 
 def _hashed(chunks: Iterable[Chunk], crc: Crc32c, sha: hashlib._Hash | None) -> Iterator[Chunk]:
     """Pass ``chunks`` through, updating the checksums with each."""
@@ -458,9 +332,3 @@ def _reporting(chunks: Iterable[Chunk], progress: Progress) -> Iterator[Chunk]:
     for chunk in chunks:
         yield chunk
         progress(len(chunk) if not isinstance(chunk, memoryview) else chunk.nbytes)
-
-
-def iter_file(read: Callable[[int], bytes], chunk_size: int = 1 << 22) -> Iterator[bytes]:
-    """Chunks from a ``read(n)`` callable until it returns nothing."""
-    while chunk := read(chunk_size):
-        yield chunk

@@ -1,21 +1,17 @@
-"""The environment a step is written in, and what a reader does when its own differs.
+"""What a reader does when the environment a step was written in differs from its own.
 
 Loading a checkpoint written by another torch or verl release usually works, and sometimes
 silently does not (renamed optimizer keys, changed defaults). So every manifest records the
 versions, and ``compat`` decides what a difference does: ``"strict"`` refuses with an error that
 names both versions and the override, ``"warn"`` logs once per load, ``"ignore"`` says nothing.
-Versions are compared on major.minor: patch releases do not change formats.
+Versions are compared on major.minor: patch releases do not change formats. Pure: finding out
+the environment (package metadata, git, hostname) is :mod:`ckptstore.environment`'s job.
 """
 
 from __future__ import annotations
 
 import logging
-import platform
-import socket
-import subprocess
-from importlib import metadata
 
-from ckptstore.config import git_commit_from_env
 from ckptstore.errors import CompatibilityError, ConfigError
 from ckptstore.manifest import Environment
 
@@ -29,39 +25,6 @@ def check_mode(compat: str) -> str:
     if compat not in COMPAT_MODES:
         raise ConfigError(f"compat must be one of {', '.join(COMPAT_MODES)}; got {compat!r}")
     return compat
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def current_environment(world_size: int = 1) -> Environment:
-    return Environment(
-        ckptstore=package_version("ckptstore") or "unknown",
-        python=platform.python_version(),
-        torch=package_version("torch"),
-        verl=package_version("verl"),
-        hostname=socket.gethostname(),
-        git_commit=_git_commit(),
-        world_size=world_size,
-    )
-
-
-def _git_commit() -> str | None:
-    """The training code's commit: from the environment CI systems set, else from git."""
-    from_env = git_commit_from_env()
-    if from_env:
-        return from_env
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _major_minor(version: str | None) -> tuple[str, ...] | None:

@@ -3,8 +3,9 @@
 ``CKPTSTORE_SIGNING_KEY``       manifest signing key (hex if it parses as hex, else its UTF-8)
 ``CKPTSTORE_SIGNING_KEY_FILE``  a file holding the key (raw bytes; surrounding whitespace
                                 stripped), for secrets mounted as files
-``CKPTSTORE_GIT_COMMIT``        the training code's commit, recorded in manifests (compat.py
-                                also falls back to ``GIT_COMMIT``, ``GITHUB_SHA`` and git)
+``CKPTSTORE_GIT_COMMIT``        the training code's commit, recorded in manifests
+                                (environment.py also falls back to ``GIT_COMMIT``,
+                                ``GITHUB_SHA`` and git)
 
 AWS settings are read by boto3 itself, from the usual ``AWS_*`` variables and files.
 """
@@ -33,7 +34,8 @@ def signing_key_from_env(environ: Mapping[str, str] = os.environ) -> bytes | Non
         except OSError as e:
             raise ConfigError(
                 f"{SIGNING_KEY_FILE} names {path}, which cannot be read ({e.strerror}); "
-                "fix the path or unset the variable"
+                "fix the path or unset the variable",
+                path=str(path),
             ) from e
     return None
 

@@ -32,19 +32,22 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.distributed as dist
 
 from ckptstore import layout
-from ckptstore.commit import SourceFile
-from ckptstore.compat import check_compat, current_environment
+from ckptstore.backends.base import error_context
+from ckptstore.compat import check_compat
+from ckptstore.environment import current_environment
 from ckptstore.errors import (
     CheckpointError,
     ConfigError,
     ConflictError,
     CorruptCheckpointError,
     DistributedCheckpointError,
+    ErrorContext,
     IncompleteCheckpointError,
     NotFoundError,
 )
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry
+from ckptstore.payload import SourceFile
 from ckptstore.serialize import SKELETON_FILE, decode_state, encode_state
 
 if TYPE_CHECKING:
@@ -137,7 +140,9 @@ def save_distributed(
     refusal = comm.broadcast(refusal)
     if refusal is not None:
         raise DistributedCheckpointError(
-            f"step {step} was not saved: rank 0: {describe(refusal)}", {0: describe(refusal)}
+            f"step {step} was not saved: rank 0: {describe(refusal)}",
+            {0: describe(refusal)},
+            **_step_context(store.uri, step),
         ) from refusal
     # 2. Every rank stages its own files; the entries (or the error) go to rank 0.
     local_error: Exception | None = None
@@ -157,8 +162,20 @@ def save_distributed(
         return outcome
     failed = outcome if outcome is not None else _Failed({}, "failed")  # rank 0 always sends
     listed = "; ".join(f"rank {r}: {text}" for r, text in sorted(failed.failures.items()))
-    error = DistributedCheckpointError(f"step {step} {failed.state}: {listed}", failed.failures)
+    error = DistributedCheckpointError(
+        f"step {step} {failed.state}: {listed}", failed.failures, **_step_context(store.uri, step)
+    )
     raise error from local_error
+
+
+def _step_context(store_uri: str, step: int) -> ErrorContext:
+    """``uri``, ``step``, ``path`` of an error about a whole step: its directory's."""
+    return {**error_context(store_uri, layout.step_dir(step)), "step": step}
+
+
+def _info_context(info: CheckpointInfo) -> ErrorContext:
+    """:func:`_step_context` of a committed step (``info.uri`` is its directory's URI)."""
+    return {"uri": info.uri, "step": info.step, "path": layout.step_dir(info.step)}
 
 
 @dataclass(frozen=True)
@@ -186,8 +203,9 @@ def _prepare(store: CheckpointStore, step: int) -> None:
     if store.backend.stat(layout.manifest_path(step)) is not None:
         raise ConflictError(
             f"step {step} is already committed in {store.uri}; committed steps are immutable. "
-            "Save under a new step, or `ckptstore rm` it first"
-        )
+            "Save under a new step, or `ckptstore rm` it first",
+            **error_context(store.uri, layout.manifest_path(step)),
+        ).add_context(step=step)
 
 
 def _stage(
@@ -220,7 +238,7 @@ def _conclude(
             kind=KIND_STATE,
             metadata=metadata,
             world_size=world_size,
-            _timing=(started, 0.0),
+            started=started,
         )
     except Exception as e:  # before the manifest, commit_files has discarded the step
         log.exception("rank 0 could not commit step %d", step)
@@ -261,7 +279,8 @@ def load_distributed(
         if offer is None:
             raise CorruptCheckpointError(
                 f"{store.uri}: no committed step passed verification on every rank:\n  "
-                + "\n  ".join(failures)
+                + "\n  ".join(failures),
+                uri=store.uri,
             )
         if isinstance(offer, CheckpointError):
             raise offer
@@ -285,9 +304,12 @@ def load_distributed(
             raise DistributedCheckpointError(
                 f"step {offer.step} could not be loaded: {listed}",
                 {r: text for r, (_, text) in bad.items()},
+                **_info_context(offer),
             ) from local_error
         if step is not None or not fallback:
-            raise CorruptCheckpointError(f"{offer.uri}: {listed}") from local_error
+            raise CorruptCheckpointError(
+                f"{offer.uri}: {listed}", **_info_context(offer)
+            ) from local_error
         if comm.rank == 0:
             log.warning(
                 "step %d failed verification (%s); trying an older step", offer.step, listed
@@ -313,7 +335,8 @@ class _Offers:
         if latest is None:
             raise NotFoundError(
                 f"{self.store.uri} holds no committed step: nothing to resume from. Check the "
-                "URI (and endpoint), or save a step first"
+                "URI (and endpoint), or save a step first",
+                uri=self.store.uri,
             )
         yield latest
         if fallback:
@@ -342,7 +365,8 @@ def check_layout(info: CheckpointInfo, world_size: int) -> None:
         how = "store.load()" if SKELETON_FILE in paths else "store.pull_dir() or the DCP reader"
         raise ConfigError(
             f"{info.uri} was not saved by save_distributed (it has no {rank_dir(0)}/); "
-            f"load it with {how}"
+            f"load it with {how}",
+            **_info_context(info),
         )
     saved = info.manifest.environment.world_size
     if saved != world_size:
@@ -350,7 +374,8 @@ def check_layout(info: CheckpointInfo, world_size: int) -> None:
             f"{info.uri} was saved by {saved} ranks, but this job has {world_size}: each rank "
             "loads the files it saved, so the world size must match. To change it, save with "
             "torch.distributed.checkpoint through ckptstore.integrations.dcp.CkptStoreWriter, "
-            "which reshards on load"
+            "which reshards on load",
+            **_info_context(info),
         )
 
 
@@ -370,7 +395,8 @@ def _read_rank(store: CheckpointStore, info: CheckpointInfo, rank: int, allow_pi
             return data[prefix + path]
         except KeyError as e:
             raise IncompleteCheckpointError(
-                f"{info.uri}: the manifest lists no {prefix}{path}; the step is incomplete"
+                f"{info.uri}: the manifest lists no {prefix}{path}; the step is incomplete",
+                **_info_context(info),
             ) from e
 
     return decode_state(get, where=f"{info.uri}/{rank_dir(rank)}", allow_pickle=allow_pickle)

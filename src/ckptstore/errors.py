@@ -3,15 +3,122 @@
 Every message names the URI or file it concerns, what was expected, and how to fix it.
 Third-party errors (botocore, OSError, fsspec) are translated once, at the backend boundary,
 and chained with ``raise ... from e`` so the original stays visible in tracebacks.
+
+The tree, and when each is raised::
+
+    CheckpointError                  root: everything ckptstore raises on purpose
+     +-- ConfigError                 bad user input: URI, scheme, option, step (a ValueError too)
+     +-- NotFoundError               a step, object or store that should exist does not
+     +-- IncompleteCheckpointError   a step lacks files its manifest lists, or was never committed
+     +-- CorruptCheckpointError      stored bytes (or a manifest, pointer, lease) are unreadable
+     |    +-- UntrustedCheckpointError  a manifest is unsigned or signed with another key
+     +-- ConflictError               another writer got there first
+     |    +-- ObjectExistsError      a create-only write found the object already there
+     |    +-- PreconditionFailedError  a compare-and-swap found the object changed
+     |    +-- LeaseHeldError         another live writer holds the store's writer lease
+     |    +-- FencedError            this writer lost its lease: it must not commit any more
+     +-- CompatibilityError          written by versions this reader refuses
+     +-- SerializationError          the state holds what the safe format cannot represent
+     |                               (a TypeError too)
+     +-- UnsafeLoadError             loading would unpickle and the caller did not opt in
+     +-- BackendError                the storage failed; ``retryable`` says if trying again helps
+     |    +-- AccessDeniedError      credentials missing or wrong, or permission refused
+     +-- DistributedCheckpointError  a multi-rank save or load failed; ``failures`` per rank
+
+Besides the message, every error carries what it is about as attributes, each ``None`` where
+it does not apply (``str(e)`` is the message alone):
+
+``uri``
+    The full URI of the object the error is about, as the store's backend names it: the
+    store's URI joined with ``path`` by ``/`` (``s3://bucket/run/latest.json``,
+    ``/data/run/latest.json`` for a local store). When the error is about the store as a whole
+    (no one object), the store's URI.
+``path``
+    The object's key relative to the store's root (``latest.json``,
+    ``.ckptstore/lease.json``, ``global_step_7/...``): the key you pass to the backend. So
+    whenever both are set, ``uri == join(store_uri, path)``
+    (:func:`ckptstore.backends.base.error_context` builds the pair). Errors about the writer
+    lease (``LeaseHeldError``, ``FencedError``) are about its record, ``.ckptstore/lease.json``.
+    For an error about a local file outside any store (a push or pull directory, a signing-key
+    file), that file's local path, and ``uri`` is ``None``.
+``step``
+    The training step concerned, where there is one. An error about a whole step (not one of
+    its files) has the step's directory as its object: ``path="global_step_7"``.
+
+The attributes survive pickling (errors cross process boundaries: multiprocessing, Ray,
+torch.distributed), and :meth:`CheckpointError.add_context` fills in the ones a raise site
+lower down could not know, such as the step of a backend error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, TypedDict, TypeVar
+
+_E = TypeVar("_E", bound="CheckpointError")
+
+
+class ErrorContext(TypedDict, total=False):
+    """The keyword arguments ``uri``, ``step``, ``path``, to pass around and spread into an
+    error: ``raise NotFoundError(message, **context)``."""
+
+    uri: str | None
+    step: int | None
+    path: str | None
 
 
 class CheckpointError(Exception):
-    """Root of every error ckptstore raises on purpose."""
+    """Root of every error ckptstore raises on purpose.
+
+    ``CheckpointError(message, *, uri=None, step=None, path=None)``: see the module docstring
+    for what ``uri``, ``step`` and ``path`` hold. ``args`` is ``(message,)``, so ``str(e)`` is
+    the message.
+    """
+
+    uri: str | None
+    step: int | None
+    path: str | None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        uri: str | None = None,
+        step: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.uri = uri
+        self.step = step
+        self.path = path
+
+    def add_context(
+        self: _E, *, uri: str | None = None, step: int | None = None, path: str | None = None
+    ) -> _E:
+        """Set those of ``uri``, ``step``, ``path`` that are still ``None``; returns ``self``,
+        so a caller that knows more than the raise site can ``raise e.add_context(step=7)``."""
+        if self.uri is None:
+            self.uri = uri
+        if self.step is None:
+            self.step = step
+        if self.path is None:
+            self.path = path
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt without calling __init__, so every subclass pickles whatever its constructor
+        # takes; the state holds uri/step/path and any subclass attribute (retryable, ...).
+        return (_rebuild, (type(self), self.args, self.__dict__.copy()))
+
+
+def _rebuild(
+    cls: type[CheckpointError], args: tuple[Any, ...], state: dict[str, Any]
+) -> CheckpointError:
+    """Unpickle an error: the class, its ``args`` (the message) and its attributes."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class ConfigError(CheckpointError, ValueError):
@@ -53,16 +160,32 @@ class UnsafeLoadError(CheckpointError):
 class BackendError(CheckpointError):
     """The storage failed. ``retryable`` says whether trying again may help."""
 
-    def __init__(self, message: str, *, retryable: bool = False) -> None:
-        super().__init__(message)
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool = False,
+        uri: str | None = None,
+        step: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(message, uri=uri, step=step, path=path)
         self.retryable = retryable
 
 
 class DistributedCheckpointError(CheckpointError):
     """A multi-rank save or load failed; ``failures`` maps each failing rank to its error."""
 
-    def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self,
+        message: str,
+        failures: Mapping[int, str] | None = None,
+        *,
+        uri: str | None = None,
+        step: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(message, uri=uri, step=step, path=path)
         self.failures: dict[int, str] = dict(failures or {})
 
 

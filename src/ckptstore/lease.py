@@ -52,7 +52,7 @@ from ckptstore.errors import (
     LeaseHeldError,
     PreconditionFailedError,
 )
-from ckptstore.lease_contest import Contender, held_message, taken_message
+from ckptstore.lease_contest import Contender, held_message, lease_context, taken_message
 from ckptstore.lease_record import LeaseRecord, Process, read_lease
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,8 @@ class WriterLease:
         """Its store was collected: the releaser thread (or a contender first) releases it."""
         self._beats = heartbeat and not math.isinf(self.ttl)
         self._uri = join(backend.uri, layout.LEASE_NAME)
+        self._context = lease_context(backend)
+        """``uri`` and ``path`` of every error about the lease: its record's."""
         self._record: LeaseRecord | None = None
         self._version: str | None = None
         self._renewed_at = 0.0  # monotonic start of the last successful write of ours
@@ -130,9 +132,11 @@ class WriterLease:
         """Take the lease, or renew it; returns the epoch. Call right before each commit."""
         with self._lock:
             if self.lost is not None:
-                raise FencedError(self.lost)
+                raise FencedError(self.lost, **self._context)
             if self.epoch is not None and os.getpid() != self._owner_pid:
-                raise FencedError(f"{self._uri}: held by the parent of this forked process")
+                raise FencedError(
+                    f"{self._uri}: held by the parent of this forked process", **self._context
+                )
             if self.epoch is None:
                 self._acquire()
                 self._start_heartbeat()
@@ -201,7 +205,9 @@ class WriterLease:
                 current, self._version, _ = read_lease(self.backend)
                 if current is None or not current.held_by(self.writer, self.epoch):
                     self._lose(taken_message(current))
-        raise BackendError(f"{self._uri} keeps changing under its holder", retryable=True)
+        raise BackendError(
+            f"{self._uri} keeps changing under its holder", retryable=True, **self._context
+        )
 
     def _lose(self, reason: str) -> None:
         self.lost = (
@@ -210,7 +216,7 @@ class WriterLease:
         )
         self._stop.set()
         log.warning("%s", self.lost)
-        raise FencedError(self.lost)
+        raise FencedError(self.lost, **self._context)
 
     # -- taking it -------------------------------------------------------------------------
 
@@ -246,7 +252,9 @@ class WriterLease:
                     reason,
                 )
             return
-        raise BackendError(f"{self._uri}: could not take the writer lease (too much contention)")
+        raise BackendError(
+            f"{self._uri}: could not take the writer lease (too much contention)", **self._context
+        )
 
     def _judge(self, record: LeaseRecord, version: str | None) -> str | None:
         """Why an unreleased record of another writer may be taken (lease_contest.py)."""
@@ -260,7 +268,7 @@ class WriterLease:
                 return None
             if live is not None and live.epoch == record.epoch and live.lost is None:
                 message = held_message(self.backend.uri, record, "it is open in this process")
-                raise LeaseHeldError(message)
+                raise LeaseHeldError(message, **self._context)
             return "its store in this process no longer holds it"
         return Contender(self.backend, self.writer, self.process, self.monotonic, self.sleep).judge(
             record, version

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptstore import layout
-from ckptstore.backends.base import Backend
-from ckptstore.errors import CheckpointError, LeaseHeldError
+from ckptstore.backends.base import Backend, error_context
+from ckptstore.errors import CheckpointError, ErrorContext, LeaseHeldError
 from ckptstore.lease_record import LeaseRecord, Process, read_lease
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ class Contender:
             return f"its process {holder.pid} on this host is gone"
         if math.isinf(record.ttl):
             raise LeaseHeldError(
-                held_message(self.backend.uri, record, "lease_ttl=inf: it never expires")
+                held_message(self.backend.uri, record, "lease_ttl=inf: it never expires"),
+                **lease_context(self.backend),
             )
         age = self._storage_age()
         if age is not None and age[0] > record.ttl + age[1]:
@@ -93,8 +94,16 @@ class Contender:
                     return None
                 watched = self.monotonic() - started
                 evidence = f"it renewed the lease while watched for {watched:.1f} s"
-                raise LeaseHeldError(held_message(self.backend.uri, current, evidence))
+                raise LeaseHeldError(
+                    held_message(self.backend.uri, current, evidence),
+                    **lease_context(self.backend),
+                )
         return f"its record stayed unchanged for {watched:.1f} s (ttl {record.ttl:g} s)"
+
+
+def lease_context(backend: Backend) -> ErrorContext:
+    """The ``uri`` and ``path`` of an error about the store's writer lease: its record's."""
+    return error_context(backend.uri, layout.LEASE_NAME)
 
 
 def held_message(uri: str, record: LeaseRecord, evidence: str) -> str:

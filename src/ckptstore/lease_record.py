@@ -133,6 +133,7 @@ class LeaseRecord:
 
     @classmethod
     def decode(cls, data: bytes, where: str) -> LeaseRecord:
+        """Decode ``lease.json``; ``where`` names it (its URI) in messages and as ``e.uri``."""
         try:
             body = json.loads(data)
             if not isinstance(body, dict):
@@ -145,7 +146,9 @@ class LeaseRecord:
                 raise ValueError(f"fields {sorted(set(body) ^ expected)} (schema {version})")
             return cls._from_v1(body) if version == 1 else cls._from_v2(body)
         except (ValueError, TypeError, UnicodeDecodeError) as e:
-            raise CorruptCheckpointError(f"{where}: unreadable writer lease ({e})") from e
+            raise CorruptCheckpointError(
+                f"{where}: unreadable writer lease ({e})", uri=where, path=layout.LEASE_NAME
+            ) from e
 
     @classmethod
     def _from_v2(cls, body: dict[str, Any]) -> LeaseRecord:

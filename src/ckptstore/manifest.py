@@ -12,6 +12,15 @@ Schema versions, all of which this module reads (old checkpoints must always loa
   writers never share a key); a file may carry a ``sha256`` (always, in signed stores: CRC32C
   detects accidents, not forgeries); the manifest records the writer's ``lease_epoch``, so a
   step that a fenced writer committed is recognisable.
+* 3: a state's manifest may carry ``files_by_key``, which files hold the tensors of each
+  top-level key of the state, so ``load(keys=[...])`` reads only those (loading.py).
+
+A new field is a new schema, never an optional extra in an old one: decoding is strict, so a
+ckptstore that reads up to schema 2 would take a schema-2 manifest with an unknown
+``files_by_key`` for corruption, and ``load()`` would fall back past every new step to an old
+one. Under schema 3 it refuses them with "upgrade ckptstore" instead. Every manifest written is
+of the newest schema (``files_by_key`` is ``null`` where there is no index: ``push_dir`` and
+multi-rank steps); manifests of schema 1 and 2 have no index and load as they always did.
 
 A manifest of an older schema keeps its schema and fields when re-encoded (``copy_to`` writes it
 verbatim), so signatures over it stay valid.
@@ -26,10 +35,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any
 
-from ckptstore.errors import CompatibilityError, CorruptCheckpointError, NotFoundError
+from ckptstore.errors import (
+    CompatibilityError,
+    ConfigError,
+    CorruptCheckpointError,
+    NotFoundError,
+)
 from ckptstore.layout import check_attempt, check_relpath, payload_path
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAX_FILE_SIZE = 1 << 50  # 1 PiB: larger sizes in a manifest are corruption, not checkpoints
 _CRC = re.compile(r"^[0-9a-f]{8}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -38,6 +52,7 @@ _V1_MANIFEST_FIELDS = frozenset(
     | {"signature"}
 )
 _V1_FILE_FIELDS = frozenset({"path", "size", "crc32c", "copied_from"})
+_V3_MANIFEST_FIELDS = frozenset({"files_by_key"})
 TOMBSTONE_KEY = "tombstone"
 
 KIND_STATE = "state"  # written by save(): safetensors shards + a JSON skeleton
@@ -121,6 +136,11 @@ class Manifest:
     """``hmac-sha256:<key id>:<hex>`` over :meth:`signed_bytes`, when the writer had a key."""
     lease_epoch: int = 0
     """The writer lease epoch it was committed under (lease.py); 0 without a lease."""
+    files_by_key: Mapping[str, tuple[str, ...]] | None = None
+    """For a dict state written by ``save``/``save_async``: each top-level key, and the listed
+    files holding its tensors (the skeleton ``state.json`` and a pickle file are not listed:
+    a load reads them when it needs them). ``None``: no index (older schemas, ``push_dir``,
+    multi-rank steps); a load then finds the files from the skeleton."""
 
     def __post_init__(self) -> None:
         if isinstance(self.lease_epoch, bool) or not isinstance(self.lease_epoch, int):
@@ -138,6 +158,12 @@ class Manifest:
         paths = [f.path for f in self.files]
         if len(set(paths)) != len(paths):
             raise CorruptCheckpointError("a file is listed twice")
+        if self.files_by_key is not None:
+            if self.schema_version < 3:
+                raise CorruptCheckpointError(
+                    f"files_by_key needs schema_version 3, not {self.schema_version}"
+                )
+            _check_files_by_key(self.files_by_key, set(paths))
 
     @property
     def size(self) -> int:
@@ -162,7 +188,12 @@ class Manifest:
         body = asdict(self)
         body["files"] = [asdict(f) for f in self.files]
         body["metadata"] = dict(self.metadata)
-        if self.schema_version == 1:  # exactly the fields it was signed with
+        if self.files_by_key is not None:
+            body["files_by_key"] = {k: list(v) for k, v in self.files_by_key.items()}
+        if self.schema_version < 3:  # exactly the fields it was signed with
+            for name in _V3_MANIFEST_FIELDS:
+                del body[name]
+        if self.schema_version == 1:
             body = {k: v for k, v in body.items() if k in _V1_MANIFEST_FIELDS}
             body["files"] = [
                 {k: v for k, v in f.items() if k in _V1_FILE_FIELDS} for f in body["files"]
@@ -184,7 +215,7 @@ class Manifest:
         if TOMBSTONE_KEY in body:
             raise NotFoundError(f"{where}: the step is not committed (its files are being removed)")
         version = body.get("schema_version")
-        if version not in (1, SCHEMA_VERSION) or isinstance(version, bool):
+        if version not in range(1, SCHEMA_VERSION + 1) or isinstance(version, bool):
             if isinstance(version, int) and version > SCHEMA_VERSION:
                 raise CompatibilityError(
                     f"{where}: manifest schema_version {version} is newer than this ckptstore "
@@ -193,9 +224,18 @@ class Manifest:
             raise CorruptCheckpointError(
                 f"{where}: manifest schema_version is {version!r}, expected 1 to {SCHEMA_VERSION}"
             )
-        only = (_V1_MANIFEST_FIELDS, _V1_FILE_FIELDS) if version == 1 else (None, None)
+        only: tuple[frozenset[str] | None, frozenset[str] | None] = (None, None)
+        if version == 1:
+            only = (_V1_MANIFEST_FIELDS, _V1_FILE_FIELDS)
+        elif version == 2:
+            only = (_all_fields(cls) - _V3_MANIFEST_FIELDS, None)
         try:
             _expect_keys(body, cls, where, only[0])
+            if isinstance(body.get("files_by_key"), dict):
+                body["files_by_key"] = {
+                    k: tuple(v) if isinstance(v, list) else v
+                    for k, v in body["files_by_key"].items()
+                }
             _expect_keys(body["environment"], Environment, f"{where} environment")
             files = []
             for f in body["files"]:
@@ -212,6 +252,21 @@ class Manifest:
             ) from e
         except (TypeError, KeyError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from e
+
+
+def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """User metadata as plain JSON values (a copy), or ConfigError saying what to convert."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise ConfigError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
+    try:
+        return dict(json.loads(json.dumps(dict(metadata), allow_nan=False)))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"metadata must hold only JSON values (str, numbers, bools, None, lists, dicts "
+            f"with str keys): {e}; convert tensors with .item()"
+        ) from e
 
 
 def encode_tombstone(writer: str, time: float, attempts: Iterable[str]) -> bytes:
@@ -239,6 +294,26 @@ def tombstone_attempts(data: bytes) -> frozenset[str] | None:
 
 def is_tombstone(data: bytes) -> bool:
     return tombstone_attempts(data) is not None
+
+
+def _check_files_by_key(index: object, paths: set[str]) -> None:
+    """Raise CorruptCheckpointError unless ``index`` maps str keys to tuples of listed paths."""
+    if not isinstance(index, Mapping):
+        raise CorruptCheckpointError("files_by_key is not an object")
+    for key, files in index.items():
+        if not isinstance(key, str):
+            raise CorruptCheckpointError(f"files_by_key has a key {key!r} that is not a string")
+        if not isinstance(files, tuple) or not all(isinstance(f, str) for f in files):
+            raise CorruptCheckpointError(f"files_by_key[{key!r}] is not a list of paths")
+        unlisted = [f for f in files if f not in paths]
+        if unlisted:
+            raise CorruptCheckpointError(
+                f"files_by_key[{key!r}] names {unlisted[0]!r}, which the manifest does not list"
+            )
+
+
+def _all_fields(kind: type) -> frozenset[str]:
+    return frozenset(f.name for f in kind.__dataclass_fields__.values())  # type: ignore[attr-defined]
 
 
 def _expect_keys(body: object, kind: type, where: str, only: frozenset[str] | None = None) -> None:

@@ -10,7 +10,7 @@ has an exporter already. Needs ``pip install ckptstore[metrics]``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import ConfigError
 
@@ -22,22 +22,8 @@ if TYPE_CHECKING:
 _SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
-class SaveObserver(Protocol):
-    """Told about every save a store makes (``save``, ``save_async``, ``push_dir``).
-
-    Called in the saving thread (the background one for async saves); an exception raised
-    here is logged and never fails the save.
-    """
-
-    def saved(self, uri: str, stats: SaveStats) -> None:
-        """A step was committed and ``latest`` moved."""
-
-    def failed(self, uri: str, step: int, error: BaseException) -> None:
-        """A save of ``step`` raised ``error`` instead of returning."""
-
-
 class PrometheusMetrics:
-    """A :class:`SaveObserver` that records into a Prometheus registry.
+    """A :class:`~ckptstore.observer.SaveObserver` that records into a Prometheus registry.
 
     Create one per process and pass it to every store: the metric names can be registered only
     once per registry (``registry`` defaults to prometheus_client's global one).

@@ -74,6 +74,8 @@ class Pointer:
 
     @classmethod
     def decode(cls, data: bytes, where: str) -> Pointer:
+        """Decode ``latest.json``; ``where`` names it (its URI) in messages and as ``e.uri``."""
+        step = None
         try:
             body = json.loads(data)
             version = body["schema_version"]
@@ -93,7 +95,10 @@ class Pointer:
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise CorruptCheckpointError(
                 f"{where}: unreadable latest pointer ({e}); it is repaired by the next save, "
-                "and readers fall back to listing committed steps meanwhile"
+                "and readers fall back to listing committed steps meanwhile",
+                uri=where,
+                path=layout.LATEST_NAME,
+                step=step if isinstance(step, int) and not isinstance(step, bool) else None,
             ) from e
 
 

@@ -21,7 +21,8 @@ import hmac
 import logging
 from dataclasses import replace
 
-from ckptstore.errors import ConfigError, UntrustedCheckpointError
+from ckptstore import layout
+from ckptstore.errors import ConfigError, ErrorContext, UntrustedCheckpointError
 from ckptstore.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -50,31 +51,41 @@ class Signer:
         return replace(manifest, signature=f"{_SCHEME}:{self.key_id}:{self._mac(manifest)}")
 
     def check(self, manifest: Manifest, where: str) -> None:
-        """Raise UntrustedCheckpointError unless ``manifest`` is signed with this key."""
+        """Raise UntrustedCheckpointError unless ``manifest`` is signed with this key;
+        ``where`` is the manifest's URI (the error's ``uri``)."""
+        context: ErrorContext = {
+            "uri": where,
+            "step": manifest.step,
+            "path": layout.manifest_path(manifest.step),
+        }
         if manifest.signature is None:
             raise UntrustedCheckpointError(
                 f"{where}: the manifest is not signed, and this store requires signatures "
                 f"(key id {self.key_id}); refusing it. Re-save the step with the key, or open "
-                "the store without a signing key if you trust every writer"
+                "the store without a signing key if you trust every writer",
+                **context,
             )
         scheme, _, rest = manifest.signature.partition(":")
         key_id, _, mac = rest.partition(":")
         if scheme != _SCHEME or key_id != self.key_id:
             raise UntrustedCheckpointError(
                 f"{where}: the manifest is signed with another key (key id {key_id or '?'}, "
-                f"expected {self.key_id}); refusing it"
+                f"expected {self.key_id}); refusing it",
+                **context,
             )
         if not hmac.compare_digest(mac, self._mac(manifest)):
             raise UntrustedCheckpointError(
                 f"{where}: the manifest's signature does not match its contents (key id "
-                f"{key_id}); it was altered after signing. Refusing it"
+                f"{key_id}); it was altered after signing. Refusing it",
+                **context,
             )
         undigested = [f.path for f in manifest.files if f.sha256 is None]
         if undigested and manifest.schema_version >= 2:
             raise UntrustedCheckpointError(
                 f"{where}: the manifest is signed but lists no SHA-256 for {undigested[0]!r}; "
                 "its bytes would be unprotected. Refusing it; save the step again with the key "
-                "set on every process that stages files"
+                "set on every process that stages files",
+                **context,
             )
         if undigested and where not in self._warned:
             self._warned.add(where)

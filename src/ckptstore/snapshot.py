@@ -23,11 +23,6 @@ class Snapshotter:
         self._next = 0
         self._cuda_pending = False
 
-    @property
-    def nbytes(self) -> int:
-        """Host memory held for reuse."""
-        return sum(b.numel() * b.element_size() for b in self._buffers)
-
     def begin(self) -> None:
         self._next = 0
         self._cuda_pending = False

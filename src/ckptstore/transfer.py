@@ -25,7 +25,9 @@ PULL_WORKERS = 8
 def scan_dir(root: Path) -> list[tuple[str, Path]]:
     """``(relative path, file)`` for each file a push of ``root`` takes, sorted."""
     if not root.is_dir():
-        raise ConfigError(f"{root} is not a directory; push takes the directory of one step")
+        raise ConfigError(
+            f"{root} is not a directory; push takes the directory of one step", path=str(root)
+        )
     base = root.resolve()
     found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -34,16 +36,19 @@ def scan_dir(root: Path) -> list[tuple[str, Path]]:
             if path.is_symlink() and not path.resolve().is_relative_to(base):
                 raise ConfigError(
                     f"{path} is a symlink to {path.resolve()}, outside {root}; push only takes "
-                    "files inside the directory. Copy the target in, or remove the link"
+                    "files inside the directory. Copy the target in, or remove the link",
+                    path=str(path),
                 )
         for name in filenames:
             path = Path(dirpath, name)
             rel = path.relative_to(root).as_posix()
             if "\\" in rel:
-                raise ConfigError(f"{path}: file names with a backslash cannot be pushed")
+                raise ConfigError(
+                    f"{path}: file names with a backslash cannot be pushed", path=str(path)
+                )
             found.append((rel, path))
     if not found:
-        raise ConfigError(f"{root} holds no files; there is nothing to push")
+        raise ConfigError(f"{root} holds no files; there is nothing to push", path=str(root))
     return sorted(found)
 
 
@@ -57,7 +62,8 @@ def download_dir(
         dest = (base / entry.path).resolve()
         if not dest.is_relative_to(base) or dest == base:
             raise CorruptCheckpointError(
-                f"manifest entry {entry.path!r} would be written outside {target}; refusing"
+                f"manifest entry {entry.path!r} would be written outside {target}; refusing",
+                path=str(dest),
             )
         data = read(entry)
         dest.parent.mkdir(parents=True, exist_ok=True)

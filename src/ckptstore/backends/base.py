@@ -39,7 +39,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ckptstore.errors import NotFoundError, ObjectExistsError, PreconditionFailedError
+from ckptstore.errors import (
+    ErrorContext,
+    NotFoundError,
+    ObjectExistsError,
+    PreconditionFailedError,
+)
 
 logger = logging.getLogger(__name__)
 _WARN_LOCK = threading.Lock()
@@ -223,7 +228,10 @@ class BaseBackend(abc.ABC):
         """``stat``, then one ``read`` of ``len(out)`` bytes copied into ``out``."""
         info = self.stat(path)
         if info is None:
-            raise NotFoundError(f"{join(self.uri, path)} does not exist (while trying to read it)")
+            raise NotFoundError(
+                f"{join(self.uri, path)} does not exist (while trying to read it)",
+                **self._where(path),
+            )
         if len(out):
             data = self.read(path, 0, len(out))
             out[: len(data)] = data
@@ -269,7 +277,8 @@ class BaseBackend(abc.ABC):
             if self.read(path) != data:
                 raise ObjectExistsError(
                     f"{join(self.uri, path)} was written concurrently by another writer, whose "
-                    "version won; this one was not committed"
+                    "version won; this one was not committed",
+                    **self._where(path),
                 )
 
     def _fallback_swap(self, path: str, data: bytes, expected: str | None) -> str:
@@ -294,22 +303,30 @@ class BaseBackend(abc.ABC):
         if back != data:
             raise PreconditionFailedError(
                 f"{join(self.uri, path)} was written concurrently by another writer, whose "
-                "version won; read it again and retry"
+                "version won; read it again and retry",
+                **self._where(path),
             )
         return version
 
     def _exists_error(self, path: str) -> ObjectExistsError:
         return ObjectExistsError(
             f"{join(self.uri, path)} already exists: another writer created it first; it was "
-            "not overwritten"
+            "not overwritten",
+            **self._where(path),
         )
 
     def _changed_error(self, path: str, expected: str | None) -> PreconditionFailedError:
         want = "to be absent" if expected is None else f"at version {expected}"
         return PreconditionFailedError(
             f"{join(self.uri, path)} changed since it was read (expected it {want}); another "
-            "writer moved it: read it again and retry"
+            "writer moved it: read it again and retry",
+            **self._where(path),
         )
+
+    def _where(self, path: str) -> ErrorContext:
+        """The ``uri`` and ``path`` of an error about the object at ``path``
+        (:func:`error_context`)."""
+        return error_context(self.uri, path)
 
     def _warn_not_atomic(self) -> None:
         self._warn_once(
@@ -387,6 +404,13 @@ class BackendProxy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
+
+
+def error_context(root: str, path: str) -> ErrorContext:
+    """``uri=`` and ``path=`` for an error about the object at ``path`` under the store at
+    ``root``: the object's full URI and its store-relative key, as :mod:`ckptstore.errors`
+    defines them. Use as ``raise NotFoundError(message, **error_context(backend.uri, path))``."""
+    return {"uri": join(root, path), "path": path}
 
 
 def join(root: str, *parts: str) -> str:

@@ -43,10 +43,11 @@ class FsspecBackend(BaseBackend):
         except ImportError as e:
             raise ConfigError(
                 f"cannot open {self._uri}: the {parts.scheme}:// filesystem needs the missing "
-                f"package {e.name!r}; install it with: pip install {e.name or parts.scheme}"
+                f"package {e.name!r}; install it with: pip install {e.name or parts.scheme}",
+                uri=self._uri,
             ) from e
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"cannot open {self._uri}: {e}") from e
+            raise ConfigError(f"cannot open {self._uri}: {e}", uri=self._uri) from e
         self.fs: AbstractFileSystem = fs
         self._root = str(root).rstrip("/")
 
@@ -184,22 +185,27 @@ class FsspecBackend(BaseBackend):
     @contextlib.contextmanager
     def _translated(self, path: str, action: str) -> Iterator[None]:
         name = self._name(path)
+        where = self._where(path)
         try:
             yield
         except (FileNotFoundError, NotADirectoryError) as e:
-            raise NotFoundError(f"{name} does not exist (while trying to {action} it)") from e
+            raise NotFoundError(
+                f"{name} does not exist (while trying to {action} it)", **where
+            ) from e
         except PermissionError as e:
             raise AccessDeniedError(
                 f"permission denied to {action} {name}: check the credentials and permissions "
-                "this filesystem uses"
+                "this filesystem uses",
+                **where,
             ) from e
         except (ConnectionError, TimeoutError) as e:
             raise BackendError(
                 f"cannot reach the storage to {action} {name} ({type(e).__name__})",
                 retryable=True,
+                **where,
             ) from e
         except OSError as e:
-            raise BackendError(f"cannot {action} {name}: {e.strerror or e}") from e
+            raise BackendError(f"cannot {action} {name}: {e.strerror or e}", **where) from e
 
 
 def _write_buffered(f: AbstractBufferedFile, chunks: Iterable[Chunk]) -> int:

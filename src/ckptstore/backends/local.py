@@ -24,7 +24,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptstore.backends.base import BaseBackend, Capabilities, Chunk, ObjectInfo, PartialWrite
+from ckptstore.backends.base import (
+    BaseBackend,
+    Capabilities,
+    Chunk,
+    ObjectInfo,
+    PartialWrite,
+)
 from ckptstore.backends.fsutil import (
     HIDDEN_PREFIX,
     TMP_PREFIX,
@@ -38,7 +44,9 @@ from ckptstore.backends.fsutil import (
 from ckptstore.errors import (
     AccessDeniedError,
     BackendError,
+    CheckpointError,
     ConfigError,
+    ErrorContext,
     NotFoundError,
     ObjectExistsError,
     PreconditionFailedError,
@@ -54,7 +62,8 @@ class LocalBackend(BaseBackend):
         super().__init__()
         if storage_options:
             raise ConfigError(
-                f"{uri}: local stores take no storage options, got {sorted(storage_options)}"
+                f"{uri}: local stores take no storage options, got {sorted(storage_options)}",
+                uri=uri,
             )
         path = uri[len("file://") :] if uri.startswith("file://") else uri
         self.root = Path(path).expanduser().absolute()
@@ -76,13 +85,14 @@ class LocalBackend(BaseBackend):
         return self.root / path if path else self.root
 
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        with _translated(self._path(path), "read"), open(self._path(path), "rb") as f:
+        target = self._path(path)
+        with _translated(target, "read", self._where(path)), open(target, "rb") as f:
             f.seek(start)
             return f.read() if end is None else f.read(max(0, end - start))
 
     def read_into(self, path: str, out: memoryview) -> int:
         target = self._path(path)
-        with _translated(target, "read"), open(target, "rb", buffering=0) as f:
+        with _translated(target, "read", self._where(path)), open(target, "rb", buffering=0) as f:
             filled = 0
             while filled < len(out) and (n := f.readinto(out[filled:])):
                 filled += n
@@ -90,30 +100,30 @@ class LocalBackend(BaseBackend):
 
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         target = self._path(path)
-        with _translated(target, "read"), open(target, "rb") as f:
+        with _translated(target, "read", self._where(path)), open(target, "rb") as f:
             return f.read(), _version(os.fstat(f.fileno()))
 
     def write(self, path: str, chunks: Iterable[Chunk]) -> int:
         target = self._path(path)
-        with self._writing(target):
+        with self._writing(target, path):
             return atomic_write(target, chunks)
 
     def create(self, path: str, data: bytes) -> None:
         target = self._path(path)
-        with self._writing(target):
+        with self._writing(target, path):
             tmp, _ = write_temp(target, [data])
         try:
-            with _translated(target, "create"):
+            with _translated(target, "create", self._where(path)):
                 os.link(tmp, target)
         except FileExistsError as e:
-            raise ObjectExistsError(f"{target} already exists") from e
+            raise ObjectExistsError(f"{target} already exists", **self._where(path)) from e
         finally:
             unlink_quietly(tmp)
         fsync_dir(target.parent)
 
     def swap(self, path: str, data: bytes, expected: str | None) -> str:
         target = self._path(path)
-        with self._locked(target):
+        with self._locked(target, path):
             try:
                 current: str | None = _version(os.stat(target))
             except FileNotFoundError:
@@ -121,9 +131,10 @@ class LocalBackend(BaseBackend):
             if current != expected:
                 raise PreconditionFailedError(
                     f"{target} changed since it was read (expected version {expected}, "
-                    f"found {current})"
+                    f"found {current})",
+                    **self._where(path),
                 )
-            with self._writing(target):
+            with self._writing(target, path):
                 atomic_write(target, [data])
                 return _version(os.stat(target))
 
@@ -131,7 +142,7 @@ class LocalBackend(BaseBackend):
         """Hard-link when possible: objects are never modified in place, only replaced."""
         source, target = self._path(src), self._path(dst)
         tmp = temp_path(target)
-        with _translated(source, "copy"):
+        with _translated(source, "copy", self._where(src)):
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(source, tmp)
@@ -149,7 +160,7 @@ class LocalBackend(BaseBackend):
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
-            raise _translate(e, self._path(path), "stat") from e
+            raise _translate(e, self._path(path), "stat", self._where(path)) from e
         return ObjectInfo(path, st.st_size, st.st_mtime)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
@@ -165,7 +176,7 @@ class LocalBackend(BaseBackend):
         except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError as e:
-            raise _translate(e, base, "list") from e
+            raise _translate(e, base, "list", self._where(prefix)) from e
 
     def delete(self, paths: Sequence[str]) -> None:
         parents = set()
@@ -176,7 +187,7 @@ class LocalBackend(BaseBackend):
             except FileNotFoundError:
                 continue
             except OSError as e:
-                raise _translate(e, target, "delete") from e
+                raise _translate(e, target, "delete", self._where(path)) from e
             parents.add(target.parent)
         for parent in parents:
             _remove_empty_dirs(parent, stop=self.root)
@@ -221,11 +232,11 @@ class LocalBackend(BaseBackend):
                         continue
 
     @contextlib.contextmanager
-    def _writing(self, target: Path) -> Iterator[None]:
-        """Create ``target``'s directory; errors translated, and a failed write leaves nothing
-        (not even the directories it created)."""
-        with _translated(target, "write"):
-            target.parent.mkdir(parents=True, exist_ok=True)
+    def _writing(self, target: Path, path: str) -> Iterator[None]:
+        """Create ``target`` (the object at ``path``)'s directory; errors translated, and a
+        failed write leaves nothing (not even the directories it created)."""
+        with _translated(target, "write", self._where(path)):
+            _make_parent(target, "write", self._where(path))
             try:
                 yield
             except BaseException:
@@ -233,16 +244,25 @@ class LocalBackend(BaseBackend):
                 raise
 
     @contextlib.contextmanager
-    def _locked(self, target: Path) -> Iterator[None]:
+    def _locked(self, target: Path, path: str) -> Iterator[None]:
         lock = target.parent / f"{LOCK_PREFIX}{target.name}"
-        with _translated(target, "lock"):
-            target.parent.mkdir(parents=True, exist_ok=True)
+        with _translated(target, "lock", self._where(path)):
+            _make_parent(target, "lock", self._where(path))
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # closing releases the lock
+
+
+def _make_parent(target: Path, action: str, where: ErrorContext) -> None:
+    """Create ``target``'s directory. A file in the way is a BackendError here: ``_translated``
+    lets FileExistsError through, for create-only writes."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as e:
+        raise _translate(e, target, action, where) from e
 
 
 def _version(st: os.stat_result) -> str:
@@ -270,31 +290,36 @@ def _remove_empty_dirs(start: Path, *, stop: Path) -> None:
 
 
 @contextlib.contextmanager
-def _translated(path: Path, action: str) -> Iterator[None]:
+def _translated(path: Path, action: str, where: ErrorContext) -> Iterator[None]:
     try:
         yield
     except (FileExistsError, ObjectExistsError):
         raise
     except OSError as e:
-        raise _translate(e, path, action) from e
+        raise _translate(e, path, action, where) from e
 
 
-def _translate(e: OSError, path: Path, action: str) -> Exception:
+def _translate(e: OSError, path: Path, action: str, where: ErrorContext) -> CheckpointError:
+    """Our error for ``e``, raised while doing ``action`` on the file ``path``; ``where`` is
+    the object's ``uri`` and store-relative ``path`` for the error's attributes."""
     if isinstance(e, FileNotFoundError):
-        return NotFoundError(f"{path} does not exist (while trying to {action} it)")
+        return NotFoundError(f"{path} does not exist (while trying to {action} it)", **where)
     if e.errno in (errno.EACCES, errno.EPERM):
         return AccessDeniedError(
             f"permission denied to {action} {path}: give this user write access to the "
-            "store directory, or choose another URI"
+            "store directory, or choose another URI",
+            **where,
         )
     if e.errno == errno.EROFS:
         return AccessDeniedError(
             f"cannot {action} {path}: the filesystem is read-only; mount it read-write or "
-            "choose another URI"
+            "choose another URI",
+            **where,
         )
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return BackendError(
             f"no space left to {action} {path}: free space on that filesystem or lower keep_last; "
-            "committed steps were not touched"
+            "committed steps were not touched",
+            **where,
         )
-    return BackendError(f"cannot {action} {path}: {e.strerror or e}", retryable=False)
+    return BackendError(f"cannot {action} {path}: {e.strerror or e}", retryable=False, **where)

@@ -40,12 +40,13 @@ def scheme_of(uri: str) -> str:
         if ":" in uri.split("/")[0] and not _looks_like_windows_drive(uri):
             raise ConfigError(
                 f"store URI {uri!r} is malformed: expected 'scheme://...' (like s3://bucket/run) "
-                "or a plain path"
+                "or a plain path",
+                uri=uri,
             )
         return "file"
     scheme = urlsplit(uri).scheme.lower()
     if not scheme or not scheme.replace("+", "").replace("-", "").replace(".", "").isalnum():
-        raise ConfigError(f"store URI {uri!r} has no valid scheme before '://'")
+        raise ConfigError(f"store URI {uri!r} has no valid scheme before '://'", uri=uri)
     return scheme
 
 
@@ -64,7 +65,8 @@ def open_backend(uri: str, storage_options: Mapping[str, Any] | None = None) -> 
         fix = f"pip install 'ckptstore[{extra}]'" if extra else f"pip install {e.name}"
         raise ConfigError(
             f"cannot open {uri!r}: the {scheme}:// backend needs the missing package "
-            f"{e.name!r}; install it with: {fix}"
+            f"{e.name!r}; install it with: {fix}",
+            uri=uri,
         ) from e
     cls = getattr(module, class_name)
     backend: Backend = cls(uri, dict(storage_options or {}))
@@ -87,5 +89,6 @@ def _fsspec_target(uri: str, scheme: str) -> tuple[str, str]:
     known = sorted({*_BUILTIN, *known_implementations})
     raise ConfigError(
         f"cannot open {uri!r}: unknown URI scheme {scheme!r}. Use a local path, "
-        f"s3://bucket/prefix, or a scheme fsspec supports ({', '.join(known[:12])}, ...)"
+        f"s3://bucket/prefix, or a scheme fsspec supports ({', '.join(known[:12])}, ...)",
+        uri=uri,
     )

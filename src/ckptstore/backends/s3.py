@@ -1,9 +1,10 @@
 """Amazon S3 and S3-compatible servers (MinIO, Ceph RGW, R2, moto), through boto3.
 
 Large objects go up as multipart uploads, small ones in one PutObject, with at most
-``max_concurrency`` parts or PUTs in flight across all the files of a save; the pool, that bound
-and the multipart skeleton (abort on any failure) live in :mod:`.s3_transfer`. Each part and PUT
-carries a CRC32C, which the server checks before it accepts it where it can (the probe asks).
+``max_concurrency`` parts or PUTs in flight across all the files of a save; the pool, that bound,
+the multipart skeleton (abort on any failure) and the requests that carry a file's bytes (PUTs,
+parts, part copies, ranged GETs) live in :mod:`.s3_transfer`. Each part and PUT carries a CRC32C,
+which the server checks before it accepts it where it can (the probe asks).
 
 The commit marker (the manifest) is written with ``If-None-Match: *``, so of two writers
 committing the same step exactly one wins and the other gets ObjectExistsError; the ``latest``
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import functools
 import itertools
 import logging
 import re
@@ -38,11 +38,18 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from ckptstore.backends import s3_errors
-from ckptstore.backends.base import BaseBackend, Capabilities, Chunk, ObjectInfo, PartialWrite
+from ckptstore.backends.base import (
+    BaseBackend,
+    Capabilities,
+    Chunk,
+    ObjectInfo,
+    PartialWrite,
+    error_context,
+)
 from ckptstore.backends.s3_errors import is_not_found, is_unsupported
 from ckptstore.backends.s3_options import MAX_SINGLE_PUT, S3Options, parse_s3_uri
-from ckptstore.backends.s3_probe import bare, lost_guarantees, probe
-from ckptstore.backends.s3_transfer import MAX_PARTS, Part, Transfers, crc32c_base64, drain, split
+from ckptstore.backends.s3_probe import bare, capabilities, probe
+from ckptstore.backends.s3_transfer import Transfers, crc32c_base64, drain, split
 from ckptstore.errors import CheckpointError, NotFoundError, PreconditionFailedError
 
 __all__ = ["S3Backend", "S3Options", "parse_s3_uri"]
@@ -66,13 +73,17 @@ class S3Backend(BaseBackend):
         self._client = client if client is not None else self._opts.client(self._uri)
         endpoint = getattr(getattr(self._client, "meta", None), "endpoint_url", None) or "AWS S3"
         self._endpoint = re.sub(r"//[^/@]*@", "//", str(endpoint))  # no user:password@
-        self._errors = s3_errors.Translator(self._bucket, self._endpoint)
+        self._errors = s3_errors.Translator(self._bucket, self._endpoint, self._uri)
         self._probe_lock = threading.Lock()
         self._caps: Capabilities | None = None
         self._unquoted_if_match = False
         self._bucket_checked = False
         self._transfers = Transfers(
-            self._client, self._bucket, self._opts.max_concurrency, self._opts.max_attempts
+            self._client,
+            self._bucket,
+            self._opts.max_concurrency,
+            self._opts.max_attempts,
+            checksums=self._opts.checksums,
         )
 
     def __repr__(self) -> str:
@@ -93,7 +104,10 @@ class S3Backend(BaseBackend):
         key = self._key(path)
         if end is not None and end <= start:
             if self.stat(path) is None:
-                raise NotFoundError(f"{self._obj(key)} does not exist (while trying to read it)")
+                raise NotFoundError(
+                    f"{self._obj(key)} does not exist (while trying to read it)",
+                    **error_context(self._uri, path),
+                )
             return b""
         extra: dict[str, str] = {}
         if start > 0 or end is not None:
@@ -107,28 +121,10 @@ class S3Backend(BaseBackend):
                 raise
 
     def read_into(self, path: str, out: memoryview) -> int:
-        """Ranged GETs of ``part_size`` bytes, ``max_concurrency`` at a time, straight into
-        ``out``: a large file downloads over many connections, like the upload."""
-        key, step = self._key(path), self._opts.part_size
-        ranges = [(a, min(a + step, len(out))) for a in range(0, len(out), step)] or [(0, 0)]
-
-        def fetch(first: int, end: int) -> int:
-            extra = {"Range": f"bytes={first}-{end - 1}"} if end > first else {}
-            with self._translated(key, "read"):
-                try:
-                    resp, data = self._transfers.get(key, **extra)
-                except ClientError as e:
-                    if s3_errors.code_of(e) == "InvalidRange":  # object shorter than expected
-                        return int(e.response.get("Error", {}).get("ActualObjectSize", 0) or 0)
-                    raise
-            out[first : first + len(data)] = data
-            total = str(resp.get("ContentRange", "")).rpartition("/")[2]
-            return int(total) if total.isdigit() else int(resp.get("ContentLength", len(data)))
-
-        if len(ranges) == 1:
-            return fetch(*ranges[0])
-        sizes = list(self._transfers.pool().map(lambda r: fetch(*r), ranges))
-        return max(sizes)
+        """Parallel ranged GETs straight into ``out`` (:meth:`.s3_transfer.Transfers.read_into`)."""
+        key = self._key(path)
+        with self._translated(key, "read"):
+            return self._transfers.read_into(key, out, self._opts.part_size)
 
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         key = self._key(path)
@@ -187,38 +183,11 @@ class S3Backend(BaseBackend):
         else:
             body = head[0] if len(head) == 1 else b"".join(head)
             with self._translated(key, "write"), self._transfers.slots:  # a PUT is a part
-                self._put(key, body)
+                self._transfers.put(key, body)
             return size
-        return self._write_multipart(key, itertools.chain(drain(head), parts))
-
-    def _write_multipart(self, key: str, parts: Iterator[bytearray]) -> int:
-        size = 0
-
-        def jobs() -> Iterator[functools.partial[Part]]:
-            nonlocal size
-            for part in parts:
-                size += len(part)
-                job = functools.partial(self._upload_part, key, part)
-                del part  # only the job holds the part, and only until it is uploaded
-                yield job
-                del job
-
-        extra = {"ChecksumAlgorithm": "CRC32C"} if self._opts.checksums else {}
         with self._translated(key, "write"):
-            self._transfers.multipart(key, jobs(), part_size=self._opts.part_size, **extra)
-        return size
-
-    def _upload_part(self, key: str, data: bytearray, upload_id: str, number: int) -> Part:
-        entry: Part = {"PartNumber": number}
-        extra: dict[str, str] = {}
-        if self._opts.checksums:
-            entry["ChecksumCRC32C"] = crc32c_base64(data)
-            extra = {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": entry["ChecksumCRC32C"]}
-        resp = self._client.upload_part(
-            Bucket=self._bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data, **extra
-        )
-        entry["ETag"] = resp["ETag"]
-        return entry
+            rest = itertools.chain(drain(head), parts)
+            return self._transfers.upload(key, rest, part_size=self._opts.part_size)
 
     def create(self, path: str, data: bytes) -> None:
         if not self._probe().atomic_create:  # the probe warned
@@ -227,7 +196,7 @@ class S3Backend(BaseBackend):
         key = self._key(path)
         try:
             with self._translated(key, "create"):
-                self._put(key, data, IfNoneMatch="*")
+                self._transfers.put(key, data, IfNoneMatch="*")
         except PreconditionFailedError as e:  # 412, or 409 for a concurrent create
             raise self._exists_error(path) from e
 
@@ -242,7 +211,7 @@ class S3Backend(BaseBackend):
             condition = {"IfMatch": tag}
         try:
             with self._translated(key, "swap"):
-                resp = self._put(key, data, **condition)
+                resp = self._transfers.put(key, data, **condition)
         except (PreconditionFailedError, NotFoundError) as e:  # NotFound: If-Match, no object
             raise self._changed_error(path, expected) from e
         return self._etag(key, resp)
@@ -258,15 +227,19 @@ class S3Backend(BaseBackend):
         """For the fallback swap: the new version is the ETag the PUT returns."""
         key = self._key(path)
         with self._translated(key, "swap"):
-            return self._etag(key, self._put(key, data))
+            return self._etag(key, self._transfers.put(key, data))
 
     def copy(self, src: str, dst: str) -> None:
         source, target = self._key(src), self._key(dst)
         info = self.stat(src)
         if info is None:
-            raise NotFoundError(f"{self._obj(source)} does not exist (while trying to copy it)")
-        if info.size > MAX_SINGLE_PUT:
-            self._copy_multipart(source, target, info.size)
+            raise NotFoundError(
+                f"{self._obj(source)} does not exist (while trying to copy it)",
+                **error_context(self._uri, src),
+            )
+        if info.size > MAX_SINGLE_PUT:  # UploadPartCopy: CopyObject stops at 5 GiB
+            with self._translated(source, "copy"):
+                self._transfers.copy(source, target, info.size, part_size=self._opts.part_size)
             return
         extra = {"ChecksumAlgorithm": "CRC32C"} if self._opts.checksums else {}
         with self._translated(source, "copy"):
@@ -276,29 +249,6 @@ class S3Backend(BaseBackend):
                 CopySource={"Bucket": self._bucket, "Key": source},
                 **extra,
             )
-
-    def _copy_multipart(self, source: str, target: str, size: int) -> None:
-        """UploadPartCopy in parallel, server-side: CopyObject stops at 5 GiB."""
-        step = max(self._opts.part_size, -(-size // MAX_PARTS))
-        jobs = (
-            functools.partial(
-                self._copy_part, source, target, f"bytes={a}-{min(a + step, size) - 1}"
-            )
-            for a in range(0, size, step)
-        )
-        with self._translated(source, "copy"):
-            self._transfers.multipart(target, jobs, part_size=step)
-
-    def _copy_part(self, source: str, target: str, byte_range: str, upload_id: str, n: int) -> Part:
-        out = self._client.upload_part_copy(
-            Bucket=self._bucket,
-            Key=target,
-            UploadId=upload_id,
-            PartNumber=n,
-            CopySource={"Bucket": self._bucket, "Key": source},
-            CopySourceRange=byte_range,
-        )
-        return {"PartNumber": n, "ETag": out["CopyPartResult"]["ETag"]}
 
     def delete(self, paths: Sequence[str]) -> None:
         keys = [self._key(p) for p in paths]
@@ -373,14 +323,6 @@ class S3Backend(BaseBackend):
     def _obj(self, key: str) -> str:
         return f"s3://{self._bucket}/{key}"
 
-    def _put(self, key: str, body: bytes | bytearray, **extra: str) -> dict[str, Any]:
-        if self._opts.checksums:
-            extra = {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": crc32c_base64(body), **extra}
-        resp: dict[str, Any] = self._client.put_object(
-            Bucket=self._bucket, Key=key, Body=body, **extra
-        )
-        return resp
-
     def _head_etag(self, key: str) -> str | None:
         with self._translated(key, "stat"):
             try:
@@ -425,7 +367,7 @@ class S3Backend(BaseBackend):
         try:
             with self._translated(key, "probe conditional writes with"):
                 result = probe(
-                    lambda **condition: self._put(key, body, **condition),
+                    lambda **condition: self._transfers.put(key, body, **condition),
                     lambda resp: self._etag(key, resp),
                     wrong_crc32c=crc32c_base64(body + b"!") if self._opts.checksums else None,
                 )
@@ -435,18 +377,10 @@ class S3Backend(BaseBackend):
             except CheckpointError as e:
                 logger.warning("could not delete the probe object %s: %s", self._obj(key), e)
         self._unquoted_if_match = result.unquoted_if_match
-        where = f"{self._endpoint} ({self._uri})"
-        if result.unquoted_if_match:
-            logger.info("%s accepts only unquoted ETags in If-Match; using those", where)
-        for topic, message in lost_guarantees(result, where, self._opts.checksums):
-            if topic == "checksums":  # no guarantee is lost: loads verify CRC32C anyway
-                logger.warning("%s", message)
-            else:
-                self._warn_once(topic, message)
-        return Capabilities(
-            atomic_create=result.atomic_create,
-            atomic_swap=result.atomic_swap,
-            server_checksums=self._opts.checksums and result.server_checksums,
-            server_side_copy=True,
+        return capabilities(
+            result,
+            f"{self._endpoint} ({self._uri})",
+            checksums=self._opts.checksums,
             parallel_writes=self._opts.max_concurrency,
+            warn=self._warn_once,
         )

@@ -29,6 +29,7 @@ from ckptstore.errors import (
     BackendError,
     CheckpointError,
     ConfigError,
+    ErrorContext,
     NotFoundError,
     PreconditionFailedError,
 )
@@ -87,10 +88,33 @@ def is_unsupported(e: ClientError) -> bool:
     return code_of(e) in UNSUPPORTED or status_of(e) in (405, 501)
 
 
+def context(target: str, store_uri: str | None = None) -> ErrorContext:
+    """The ``uri`` and ``path`` attributes of an error about ``target``.
+
+    ``target`` is the ``s3://`` URI of the object (or store) the operation was about, or a
+    phrase such as ``"3 object(s) under s3://bucket/run"``; ``store_uri`` the store's URI, where
+    known. The ``path`` is the key relative to the store, so only known with ``store_uri``; an
+    error about the store itself, or about several objects, carries the store's URI and no path.
+    """
+    uri = target if target.startswith(("s3://", "s3a://")) else store_uri
+    path = None
+    if store_uri and uri and uri.startswith(f"{store_uri.rstrip('/')}/"):
+        path = uri[len(store_uri.rstrip("/")) + 1 :]
+    return {"uri": uri, "path": path}
+
+
 def translate(
-    e: BaseException, *, bucket: str, endpoint: str, target: str, action: str
+    e: BaseException,
+    *,
+    bucket: str,
+    endpoint: str,
+    target: str,
+    action: str,
+    store_uri: str | None = None,
 ) -> CheckpointError:
-    """Our error for a botocore one; ``target`` is the ``s3://`` URI the operation was about."""
+    """Our error for a botocore one; ``target`` is the ``s3://`` URI the operation was about,
+    ``store_uri`` the store's (for the errors' ``path``: :func:`context`)."""
+    where = context(target, store_uri)
     if isinstance(e, ClientError):
         message = str(e.response.get("Error", {}).get("Message", "") or "")
         return error_for(
@@ -101,12 +125,14 @@ def translate(
             target=target,
             action=action,
             message=message,
+            store_uri=store_uri,
         )
     if isinstance(e, _NO_CREDENTIALS):
         return AccessDeniedError(
             f"no usable AWS credentials to {action} {target} ({type(e).__name__}): boto3 "
             "looks in storage_options key/secret, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            "AWS_PROFILE and ~/.aws/credentials, SSO, then the instance or container role"
+            "AWS_PROFILE and ~/.aws/credentials, SSO, then the instance or container role",
+            **where,
         )
     if isinstance(e, (BotoConnectionError, HTTPClientError, ResponseStreamingError)):
         return BackendError(
@@ -114,9 +140,10 @@ def translate(
             f"({type(e).__name__}, after retries); check endpoint_url / AWS_ENDPOINT_URL, "
             "the network, and that the server is up",
             retryable=True,
+            **where,
         )
     kind = "BotoCoreError" if isinstance(e, BotoCoreError) else type(e).__name__
-    return BackendError(f"cannot {action} {target}: {kind}: {e}")
+    return BackendError(f"cannot {action} {target}: {kind}: {e}", **where)
 
 
 def error_for(
@@ -128,41 +155,53 @@ def error_for(
     target: str,
     action: str,
     message: str = "",
+    store_uri: str | None = None,
 ) -> CheckpointError:
     """Our error for an S3 error code and HTTP status (``0`` when there is none)."""
     detail = f" ({code}: {message})" if message else f" ({code})" if code else ""
+    where = context(target, store_uri)
     if code == "NoSuchBucket":  # not NotFoundError: a typo in a bucket name is no empty store
         return BackendError(
             f"bucket {bucket!r} does not exist at {endpoint} (while trying to {action} "
             f"{target}); create it (`aws s3 mb s3://{bucket}`, with --endpoint-url for "
-            "S3-compatible servers, or in terraform) or fix the URI"
+            "S3-compatible servers, or in terraform) or fix the URI",
+            **where,
         )
     if code in NOT_FOUND or status == 404:
-        return NotFoundError(f"{target} does not exist (while trying to {action} it)")
+        return NotFoundError(f"{target} does not exist (while trying to {action} it)", **where)
     if code in DENIED or status == 403:
         return AccessDeniedError(
             f"access denied to {action} {target}{detail}: check the credentials boto3 uses "
             "(AWS_PROFILE, AWS_ACCESS_KEY_ID, an expired session token) and that the IAM or "
-            "bucket policy allows this on the bucket and prefix"
+            "bucket policy allows this on the bucket and prefix",
+            **where,
         )
     if code in CONFLICT or status in (409, 412):
-        return PreconditionFailedError(f"a condition on {target} failed ({action}){detail}")
+        return PreconditionFailedError(
+            f"a condition on {target} failed ({action}){detail}", **where
+        )
     if code in RETRYABLE or status >= 500:
         return BackendError(
             f"{endpoint} failed to {action} {target}{detail}, after retries; try again later",
             retryable=True,
+            **where,
         )
     if code == "InvalidBucketName":
-        return ConfigError(f"{target}: the server rejects the bucket name{detail}")
-    return BackendError(f"cannot {action} {target}{detail} (HTTP {status})")
+        return ConfigError(f"{target}: the server rejects the bucket name{detail}", **where)
+    return BackendError(f"cannot {action} {target}{detail} (HTTP {status})", **where)
 
 
 @dataclass(frozen=True)
 class Translator:
-    """The translation for one backend, which names its bucket and endpoint in messages."""
+    """The translation for one backend, which names its bucket and endpoint in messages.
+
+    With ``store_uri`` (the backend's ``s3://bucket/prefix``), errors about an object also carry
+    its store-relative ``path``; without it, only its ``uri`` (:func:`context`).
+    """
 
     bucket: str
     endpoint: str
+    store_uri: str | None = None
 
     @contextlib.contextmanager
     def translated(self, target: str, action: str) -> Iterator[None]:
@@ -171,7 +210,12 @@ class Translator:
             yield
         except (ClientError, BotoCoreError) as e:
             raise translate(
-                e, bucket=self.bucket, endpoint=self.endpoint, target=target, action=action
+                e,
+                bucket=self.bucket,
+                endpoint=self.endpoint,
+                target=target,
+                action=action,
+                store_uri=self.store_uri,
             ) from e
 
     def error(self, code: str, target: str, action: str, message: str = "") -> CheckpointError:
@@ -184,4 +228,5 @@ class Translator:
             target=target,
             action=action,
             message=message,
+            store_uri=self.store_uri,
         )

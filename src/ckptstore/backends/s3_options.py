@@ -64,26 +64,31 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     try:
         parts = urlsplit(uri)
     except ValueError as e:
-        raise ConfigError(f"store URI {uri!r} is malformed: expected s3://bucket/prefix") from e
+        raise ConfigError(
+            f"store URI {uri!r} is malformed: expected s3://bucket/prefix", uri=uri
+        ) from e
     if parts.scheme.lower() not in ("s3", "s3a"):
-        raise ConfigError(f"store URI {uri!r} is not an s3:// URI")
-    if "@" in parts.netloc:  # do not echo the URI: it holds a secret
+        raise ConfigError(f"store URI {uri!r} is not an s3:// URI", uri=uri)
+    if "@" in parts.netloc:  # do not echo the URI (not even as e.uri): it holds a secret
         raise ConfigError(
             "s3:// store URIs must not contain credentials; pass them through AWS_PROFILE, "
             "the AWS_* environment variables or storage_options key/secret"
         )
     if parts.query or parts.fragment:
-        raise ConfigError(f"store URI {uri!r} must not contain '?' or '#'")
+        raise ConfigError(f"store URI {uri!r} must not contain '?' or '#'", uri=uri)
     bucket, prefix = parts.netloc, parts.path.strip("/")
     if not bucket:
-        raise ConfigError(f"store URI {uri!r} names no bucket: expected s3://bucket/prefix")
+        raise ConfigError(
+            f"store URI {uri!r} names no bucket: expected s3://bucket/prefix", uri=uri
+        )
     if not _BUCKET_RE.match(bucket) or ".." in bucket or _is_ip(bucket):
         raise ConfigError(
             f"{bucket!r} in {uri!r} is not a valid S3 bucket name: 3-63 lowercase letters, "
-            "digits, '.' and '-', starting and ending with a letter or digit"
+            "digits, '.' and '-', starting and ending with a letter or digit",
+            uri=uri,
         )
     if "//" in prefix:
-        raise ConfigError(f"store URI {uri!r} has an empty path segment ('//')")
+        raise ConfigError(f"store URI {uri!r} has an empty path segment ('//')", uri=uri)
     return bucket, prefix
 
 
@@ -113,13 +118,16 @@ class S3Options:
         unknown = sorted(set(options) - OPTIONS)
         if unknown:
             raise ConfigError(
-                f"{uri}: unknown storage option(s) {unknown}; valid ones are {sorted(OPTIONS)}"
+                f"{uri}: unknown storage option(s) {unknown}; valid ones are {sorted(OPTIONS)}",
+                uri=uri,
             )
         opts: dict[str, Any] = {}
         for name, value in options.items():
             canonical = ALIASES.get(name, name)
             if canonical in opts:
-                raise ConfigError(f"{uri}: storage option {canonical!r} is given twice ({name!r})")
+                raise ConfigError(
+                    f"{uri}: storage option {canonical!r} is given twice ({name!r})", uri=uri
+                )
             opts[canonical] = value
         part_size = _int(uri, opts, "part_size", DEFAULT_PART_SIZE, MIN_PART_SIZE, MAX_PART_SIZE)
         threshold = _int(uri, opts, "multipart_threshold", part_size, 1, MAX_SINGLE_PUT)
@@ -127,7 +135,7 @@ class S3Options:
         attempts = _int(uri, opts, "max_attempts", 5, 1, 50)
         checksums = opts.get("checksums", True)
         if not isinstance(checksums, bool):
-            raise ConfigError(f"{uri}: storage option 'checksums' must be True or False")
+            raise ConfigError(f"{uri}: storage option 'checksums' must be True or False", uri=uri)
         session = {
             target: _str(uri, opts, name)
             for name, target in (
@@ -142,7 +150,9 @@ class S3Options:
         client = dict(_dict(uri, opts, "client_kwargs"))
         if opts.get("endpoint_url") is not None:
             if client.get("endpoint_url", opts["endpoint_url"]) != opts["endpoint_url"]:
-                raise ConfigError(f"{uri}: endpoint_url is given twice with different values")
+                raise ConfigError(
+                    f"{uri}: endpoint_url is given twice with different values", uri=uri
+                )
             client["endpoint_url"] = _str(uri, opts, "endpoint_url")
         return cls(
             part_size=part_size,
@@ -163,17 +173,20 @@ class S3Options:
         except ProfileNotFound as e:
             raise ConfigError(
                 f"{uri}: AWS profile {self.session_kwargs.get('profile_name')!r} "
-                "is not in ~/.aws/config or ~/.aws/credentials"
+                "is not in ~/.aws/config or ~/.aws/credentials",
+                uri=uri,
             ) from e
         except (BotoCoreError, TypeError, ValueError) as e:
-            raise ConfigError(f"{uri}: cannot create an S3 client: {e}") from e
+            raise ConfigError(f"{uri}: cannot create an S3 client: {e}", uri=uri) from e
 
 
 def _int(uri: str, opts: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
     value = opts.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(
-            f"{uri}: storage option {name!r} must be an integer from {low} to {high}, got {value!r}"
+            f"{uri}: storage option {name!r} must be an integer from {low} to {high}, "
+            f"got {value!r}",
+            uri=uri,
         )
     return value
 
@@ -181,14 +194,14 @@ def _int(uri: str, opts: dict[str, Any], name: str, default: int, low: int, high
 def _str(uri: str, opts: dict[str, Any], name: str) -> str:
     value = opts[name]
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{uri}: storage option {name!r} must be a non-empty string")
+        raise ConfigError(f"{uri}: storage option {name!r} must be a non-empty string", uri=uri)
     return value
 
 
 def _dict(uri: str, opts: dict[str, Any], name: str) -> dict[str, Any]:
     value = opts.get(name) or {}
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{uri}: storage option {name!r} must be a dict")
+        raise ConfigError(f"{uri}: storage option {name!r} must be a dict", uri=uri)
     return dict(value)
 
 
@@ -199,7 +212,8 @@ def _config(uri: str, opts: dict[str, Any], concurrency: int, attempts: int) -> 
     if style is not None:
         if style not in ("path", "virtual", "auto"):
             raise ConfigError(
-                f"{uri}: addressing_style must be 'path', 'virtual' or 'auto', got {style!r}"
+                f"{uri}: addressing_style must be 'path', 'virtual' or 'auto', got {style!r}",
+                uri=uri,
             )
         s3["addressing_style"] = style
     user = _dict(uri, opts, "config_kwargs")
@@ -215,4 +229,4 @@ def _config(uri: str, opts: dict[str, Any], concurrency: int, attempts: int) -> 
         )
         return base.merge(Config(**user))
     except TypeError as e:
-        raise ConfigError(f"{uri}: invalid config_kwargs for botocore Config: {e}") from e
+        raise ConfigError(f"{uri}: invalid config_kwargs for botocore Config: {e}", uri=uri) from e

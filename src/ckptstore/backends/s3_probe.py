@@ -11,10 +11,14 @@ unquoted ETag in ``If-Match``. Trusting a header the server ignores would let tw
 4. PUT with ``If-Match`` and the right ETag, quoted; if refused, unquoted;
 5. with checksums on, PUT with a wrong CRC32C: must be refused (400 BadDigest) -- else the
    server stores what it was sent without checking (moto does: it echoes the value back).
+
+What the answers mean, the backend's :class:`~.base.Capabilities` and a warning for each
+guarantee lost, is decided here too (:func:`capabilities`).
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +26,10 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
+from ckptstore.backends.base import Capabilities
 from ckptstore.backends.s3_errors import code_of, is_refused, is_unsupported, status_of
+
+logger = logging.getLogger(__name__)
 
 Put = Callable[..., dict[str, Any]]
 """PUT the probe object with these extra PutObject parameters; returns the response."""
@@ -120,3 +127,29 @@ def lost_guarantees(result: ProbeResult, where: str, checksums: bool) -> list[tu
             )
         )
     return lost
+
+
+def capabilities(
+    result: ProbeResult,
+    where: str,
+    *,
+    checksums: bool,
+    parallel_writes: int,
+    warn: Callable[[str, str], None],
+) -> Capabilities:
+    """What the backend may rely on after ``result``. Each lost guarantee goes to ``warn(topic,
+    message)`` (the backend warns once per topic); unverified checksums are only logged."""
+    if result.unquoted_if_match:
+        logger.info("%s accepts only unquoted ETags in If-Match; using those", where)
+    for topic, message in lost_guarantees(result, where, checksums):
+        if topic == "checksums":  # no guarantee is lost: loads verify CRC32C anyway
+            logger.warning("%s", message)
+        else:
+            warn(topic, message)
+    return Capabilities(
+        atomic_create=result.atomic_create,
+        atomic_swap=result.atomic_swap,
+        server_checksums=checksums and result.server_checksums,
+        server_side_copy=True,
+        parallel_writes=parallel_writes,
+    )

@@ -1,6 +1,8 @@
 """Moving bytes to and from S3: one pool, one bound on requests in flight, the one multipart
 skeleton that uploads and server-side copies share, the unfinished uploads it can leave, and
-GETs whose body is read again when it breaks.
+GETs (ranged, in parallel, into one buffer) whose body is read again when it breaks. The
+backend (s3.py) decides what to send and translates errors; requests that carry an object's
+bytes are made here.
 
 Parallel requests are what make S3 fast (one stream per connection is slow). The pool has
 ``max_concurrency`` threads, and a semaphore shared by every transfer of the backend (single
@@ -18,13 +20,15 @@ botocore retries a request that fails, but reads a GET's body (the object, or an
 after its retry loop: :meth:`Transfers.get` reads a body that breaks after the headers (reset,
 truncated) again, under the same ``max_attempts`` bound.
 
-Upload parts carry a CRC32C, computed by :func:`crc32c_base64` here rather than by the
-checkpoint layer's checksum engine: backends know nothing of how checkpoints are verified.
+PUTs and upload parts carry a CRC32C (option ``checksums``), computed by :func:`crc32c_base64`
+here rather than by the checkpoint layer's checksum engine: backends know nothing of how
+checkpoints are verified.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 import random
 import threading
@@ -46,7 +50,7 @@ from botocore.exceptions import (
 )
 
 from ckptstore.backends.base import Chunk
-from ckptstore.backends.s3_errors import is_not_found
+from ckptstore.backends.s3_errors import code_of, is_not_found
 from ckptstore.backends.s3_options import MAX_PART_SIZE
 from ckptstore.errors import ConfigError
 
@@ -81,11 +85,14 @@ class Transfers:
     object that needs more than :data:`MAX_PARTS` parts is a ConfigError.
     """
 
-    def __init__(self, client: Any, bucket: str, max_concurrency: int, max_attempts: int) -> None:
+    def __init__(
+        self, client: Any, bucket: str, max_concurrency: int, max_attempts: int, *, checksums: bool
+    ) -> None:
         self._client = client
         self._bucket = bucket
         self._limit = max_concurrency
         self._attempts = max_attempts
+        self._checksums = checksums
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(max_concurrency)
@@ -122,6 +129,69 @@ class Transfers:
                 time.sleep(random.uniform(0, min(1.0, 0.05 * 2**attempt)))
         raise AssertionError("unreachable: max_attempts >= 1")
 
+    def read_into(self, key: str, out: memoryview, part_size: int) -> int:
+        """Ranged GETs of ``part_size`` bytes, ``max_concurrency`` at a time, straight into
+        ``out``: a large file downloads over many connections, like the upload. Returns the
+        object's size, which may differ from ``len(out)``."""
+        step = part_size
+        ranges = [(a, min(a + step, len(out))) for a in range(0, len(out), step)] or [(0, 0)]
+
+        def fetch(first: int, end: int) -> int:
+            extra = {"Range": f"bytes={first}-{end - 1}"} if end > first else {}
+            try:
+                resp, data = self.get(key, **extra)
+            except ClientError as e:
+                if code_of(e) == "InvalidRange":  # object shorter than expected
+                    return int(e.response.get("Error", {}).get("ActualObjectSize", 0) or 0)
+                raise
+            out[first : first + len(data)] = data
+            total = str(resp.get("ContentRange", "")).rpartition("/")[2]
+            return int(total) if total.isdigit() else int(resp.get("ContentLength", len(data)))
+
+        if len(ranges) == 1:
+            return fetch(*ranges[0])
+        sizes = list(self.pool().map(lambda r: fetch(*r), ranges))
+        return max(sizes)
+
+    def put(self, key: str, body: bytes | bytearray, **extra: str) -> dict[str, Any]:
+        """One PutObject (``extra``: its conditions), carrying a CRC32C if checksums are on.
+        The caller holds a slot where the PUT carries a part's worth of bytes."""
+        if self._checksums:
+            extra = {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": crc32c_base64(body), **extra}
+        resp: dict[str, Any] = self._client.put_object(
+            Bucket=self._bucket, Key=key, Body=body, **extra
+        )
+        return resp
+
+    def upload(self, key: str, parts: Iterator[bytearray], *, part_size: int) -> int:
+        """A multipart upload of ``parts``, each with its CRC32C if checksums are on; returns
+        the bytes uploaded."""
+        size = 0
+
+        def jobs() -> Iterator[functools.partial[Part]]:
+            nonlocal size
+            for part in parts:
+                size += len(part)
+                job = functools.partial(self._upload_part, key, part)
+                del part  # only the job holds the part, and only until it is uploaded
+                yield job
+                del job
+
+        extra = {"ChecksumAlgorithm": "CRC32C"} if self._checksums else {}
+        self.multipart(key, jobs(), part_size=part_size, **extra)
+        return size
+
+    def copy(self, source: str, target: str, size: int, *, part_size: int) -> None:
+        """Server-side copy in parallel UploadPartCopy parts (CopyObject stops at 5 GiB)."""
+        step = max(part_size, -(-size // MAX_PARTS))
+        jobs = (
+            functools.partial(
+                self._copy_part, source, target, f"bytes={a}-{min(a + step, size) - 1}"
+            )
+            for a in range(0, size, step)
+        )
+        self.multipart(target, jobs, part_size=step)
+
     def multipart(self, key: str, jobs: Iterable[PartJob], *, part_size: int, **start: str) -> int:
         """Start an upload of ``key`` (``start``: extra CreateMultipartUpload parameters), run
         ``jobs`` as parts 1, 2, ... on the pool, complete it; returns the number of parts.
@@ -140,7 +210,8 @@ class Transfers:
                     raise ConfigError(
                         f"{self._name(key)} needs more than {MAX_PARTS} parts of {part_size} "
                         f"bytes; raise the storage option part_size (up to {MAX_PART_SIZE}) "
-                        "for objects this large"
+                        "for objects this large",
+                        uri=self._name(key),
                     )
                 while len(inflight) >= self._limit:  # bounded memory: wait for a free slot
                     finished, inflight = wait(inflight, return_when=FIRST_COMPLETED)
@@ -185,6 +256,29 @@ class Transfers:
         except ClientError as e:
             if not is_not_found(e):  # NoSuchUpload
                 raise
+
+    def _upload_part(self, key: str, data: bytearray, upload_id: str, number: int) -> Part:
+        entry: Part = {"PartNumber": number}
+        extra: dict[str, str] = {}
+        if self._checksums:
+            entry["ChecksumCRC32C"] = crc32c_base64(data)
+            extra = {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": entry["ChecksumCRC32C"]}
+        resp = self._client.upload_part(
+            Bucket=self._bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data, **extra
+        )
+        entry["ETag"] = resp["ETag"]
+        return entry
+
+    def _copy_part(self, source: str, target: str, byte_range: str, upload_id: str, n: int) -> Part:
+        out = self._client.upload_part_copy(
+            Bucket=self._bucket,
+            Key=target,
+            UploadId=upload_id,
+            PartNumber=n,
+            CopySource={"Bucket": self._bucket, "Key": source},
+            CopySourceRange=byte_range,
+        )
+        return {"PartNumber": n, "ETag": out["CopyPartResult"]["ETag"]}
 
     def _abort_after_failure(self, key: str, upload_id: str, inflight: set[Future[Part]]) -> None:
         """Let running parts finish, then abort. The caller re-raises the original error, so a

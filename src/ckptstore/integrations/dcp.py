@@ -14,12 +14,8 @@ Files are named as ``FileSystemWriter`` names them (``__<rank>_0.distcp``, ``.me
 step fetched with ``store.pull_dir`` (CLI: ``ckptstore pull``) also loads with plain
 ``dcp.load(..., checkpoint_id=<dir>)``.
 
-DCP's format uses pickle: ``.metadata`` is pickled, and tensors and non-tensor values are
-written with ``torch.save``; DCP's planner unpickles the latter in full. The reader never runs
-pickle from the store unless told to: it unpickles ``.metadata`` admitting only DCP's metadata
-classes and torch dtypes, loads tensors with ``torch.load(weights_only=True)`` (as DCP does),
-and hands a non-tensor value to the planner only after ``torch.load(weights_only=True)``
-accepted it; ``allow_pickle=True`` lifts these checks for writers you trust.
+DCP's format uses pickle. The reader never runs pickle from the store unless told to
+(``allow_pickle=True``, for writers you trust): :mod:`.dcp_unpickle` says what it admits.
 
 Each rank writes one file, serialized in memory first (one copy of its shard), then uploaded
 like any staged file (in parallel parts on S3). Every file a rank reads is read whole and
@@ -57,7 +53,6 @@ from torch.futures import Future
 
 from ckptstore import layout
 from ckptstore.backends.base import join
-from ckptstore.commit import SourceFile
 from ckptstore.distributed import Collectives, describe
 from ckptstore.errors import (
     CheckpointError,
@@ -67,10 +62,11 @@ from ckptstore.errors import (
     DistributedCheckpointError,
     IncompleteCheckpointError,
     NotFoundError,
-    UnsafeLoadError,
 )
 from ckptstore.info import CheckpointInfo
+from ckptstore.integrations.dcp_unpickle import check_weights_only, load_metadata, load_tensor
 from ckptstore.manifest import KIND_DIRECTORY, FileEntry
+from ckptstore.payload import SourceFile
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -293,7 +289,7 @@ class CkptStoreReader(StorageReader):
                 "rank-local metadata (use_collectives=False) is not supported"
             )
         self.info, data = self._resolve()
-        metadata = _load_metadata(data, self.info.uri, self.allow_pickle)
+        metadata = load_metadata(data, f"{self.info.uri}/{METADATA_FILE}", self.allow_pickle)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -358,11 +354,11 @@ class CkptStoreReader(StorageReader):
         fqn = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
             if not self.allow_pickle:
-                _check_weights_only(piece, f"{where}: {fqn}")
+                check_weights_only(piece, f"{where}: {fqn}")
                 piece.seek(0)
             planner.load_bytes(item, piece)
             return
-        tensor = _load_tensor(piece, f"{where}: {fqn}", self.allow_pickle)
+        tensor = load_tensor(piece, f"{where}: {fqn}", self.allow_pickle)
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()
@@ -408,84 +404,3 @@ def _read_metadata_file(store: CheckpointStore, info: CheckpointInfo) -> bytes:
             "(load it with store.load() or ckptstore.distributed.load_distributed)"
         )
     return bytes(store.read_file(info, METADATA_FILE))
-
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_SAFE_GLOBALS = {
-    (_DCP_METADATA, name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``Metadata`` and nothing else: no class outside the list is built."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
-
-
-def _load_metadata(data: bytes, where: str, allow_pickle: bool) -> Metadata:
-    try:
-        if allow_pickle:
-            metadata = pickle.loads(data)
-        else:
-            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        raise UnsafeLoadError(
-            f"{where}/{METADATA_FILE}: not plain DCP metadata ({e}); load with "
-            "CkptStoreReader(..., allow_pickle=True) only if you trust every writer"
-        ) from e
-    except (EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
-        raise CorruptCheckpointError(f"{where}/{METADATA_FILE}: unreadable ({e!r})") from e
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError(f"{where}/{METADATA_FILE} holds a {type(metadata)}")
-    return metadata
-
-
-def _check_weights_only(piece: io.BytesIO, where: str) -> None:
-    try:
-        torch.load(piece, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UnsafeLoadError(
-            f"{where}: loading this value would run pickle from the store ({_reason(e)}). "
-            "Pass CkptStoreReader(..., allow_pickle=True) only if you trust every writer"
-        ) from e
-
-
-def _load_tensor(piece: io.BytesIO, where: str, allow_pickle: bool) -> torch.Tensor:
-    try:
-        tensor = torch.load(piece, map_location="cpu", weights_only=not allow_pickle)
-    except pickle.UnpicklingError as e:
-        raise UnsafeLoadError(f"{where}: not a plain tensor ({_reason(e)})") from e
-    if not isinstance(tensor, torch.Tensor):
-        raise CorruptCheckpointError(f"{where}: holds a {type(tensor).__name__}, not a tensor")
-    return tensor
-
-
-def _reason(error: Exception) -> str:
-    """The line of torch's long weights_only message that says what was refused."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    found = [line for line in lines if line.startswith("WeightsUnpickler error")]
-    return (found or lines or ["unpickling refused"])[0]

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from ckptstore.errors import ConfigError, NotFoundError
+from ckptstore import layout
+from ckptstore.errors import ConfigError, ErrorContext, NotFoundError
 
 if TYPE_CHECKING:
     from ckptstore.background import SaveHandle
@@ -137,24 +138,32 @@ def resume(
         return 0
     info = store.last_loaded
     if info is None:  # load() always sets it; keeps the type checker honest
-        raise NotFoundError(f"{store.uri}: loaded a state but not its step")
+        raise NotFoundError(f"{store.uri}: loaded a state but not its step", uri=store.uri)
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None:
             if state["scheduler"] is None:
-                raise ConfigError(f"{info.uri} was saved without a scheduler; pass none")
+                raise ConfigError(
+                    f"{info.uri} was saved without a scheduler; pass none", **_step_context(info)
+                )
             scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
     except (KeyError, TypeError) as e:
         raise ConfigError(
             f"{info.uri} was not saved by CheckpointCallback (missing {e}); load it with "
-            "store.load() and restore it yourself"
+            "store.load() and restore it yourself",
+            **_step_context(info),
         ) from e
     if extra is not None and state["extra"] is not None:
         extra.update(state["extra"])
     log.info("resumed from %s", info.uri)
     return info.step
+
+
+def _step_context(info: CheckpointInfo) -> ErrorContext:
+    """``uri``, ``step``, ``path`` of an error about a whole committed step: its directory's."""
+    return {"uri": info.uri, "step": info.step, "path": layout.step_dir(info.step)}
 
 
 def rng_state() -> dict[str, Any]:

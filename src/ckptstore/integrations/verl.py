@@ -130,7 +130,9 @@ class CkptstoreCallback:
             os.path.normpath(checkpoint_dir)
         ) != layout.step_dir(step):
             raise ConfigError(
-                f"checkpoint_dir {checkpoint_dir!r} is not a {layout.step_dir(step)} directory"
+                f"checkpoint_dir {checkpoint_dir!r} is not a {layout.step_dir(step)} directory",
+                step=step,
+                path=checkpoint_dir,
             )
         if step in self._replace:
             log.warning(
@@ -301,12 +303,16 @@ def _store_step(path: str | None, uri: str) -> int | None:
     root = uri.rstrip("/") + "/"
     if not path.startswith(root):
         if "://" in path:
-            raise ConfigError(f"trainer.resume_from_path {path!r} is a URL outside the store {uri}")
+            raise ConfigError(
+                f"trainer.resume_from_path {path!r} is a URL outside the store {uri}", uri=path
+            )
         return None
     step = layout.parse_step_dir(path[len(root) :])
     if step is None:
         raise ConfigError(
-            f"trainer.resume_from_path {path!r} must name a step: {root}global_step_N"
+            f"trainer.resume_from_path {path!r} must name a step: {root}global_step_N",
+            uri=path,
+            path=path[len(root) :],
         )
     return step
 

@@ -49,22 +49,26 @@ class VerlStoreConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ConfigError(
-                    f"{SECTION}.{name} must be a positive integer or null, got {value!r}"
+                    f"{SECTION}.{name} must be a positive integer or null, got {value!r}",
+                    uri=self.uri,
                 )
         if not isinstance(self.storage_options, Mapping) or not all(
             isinstance(k, str) for k in self.storage_options
         ):
             raise ConfigError(
-                f"{SECTION}.storage_options must be a mapping of option names to values"
+                f"{SECTION}.storage_options must be a mapping of option names to values",
+                uri=self.uri,
             )
         for name in ("takeover", "resume", "prune_local"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
-                    f"{SECTION}.{name} must be true or false, got {getattr(self, name)!r}"
+                    f"{SECTION}.{name} must be true or false, got {getattr(self, name)!r}",
+                    uri=self.uri,
                 )
         if self.upload not in UPLOAD_MODES:
             raise ConfigError(
-                f"{SECTION}.upload must be one of {', '.join(UPLOAD_MODES)}, got {self.upload!r}"
+                f"{SECTION}.upload must be one of {', '.join(UPLOAD_MODES)}, got {self.upload!r}",
+                uri=self.uri,
             )
 
     @classmethod

@@ -24,14 +24,12 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from ckptstore import layout
-from ckptstore.backends.fsutil import atomic_write
-from ckptstore.commit import SourceFile, iter_file
+from ckptstore.backends.fsutil import TMP_PREFIX, atomic_write, temp_name
 from ckptstore.errors import (
     BackendError,
     CheckpointError,
@@ -41,12 +39,14 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
 )
 from ckptstore.manifest import KIND_DIRECTORY, FileEntry
+from ckptstore.payload import SourceFile, iter_file
 from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
-TMP_PREFIX = ".ckptstore-"
-"""Names of temporary files and directories that pulls leave while they run; never pushed."""
+SKIPPED_PREFIXES = (TMP_PREFIX, ".ckptstore-")
+"""Temporary files and directories (writes and pulls in progress, and pull directories of
+earlier versions, named ``.ckptstore-pull-*``): never pushed."""
 _RANK_FILE = re.compile(r"^(?P<kind>.+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")
 
 
@@ -112,7 +112,8 @@ class NodeAgent:
                 log.warning("step %d failed verification (%s); trying an older step", step, e)
                 failures.append(f"step {step}: {e}")
         raise CorruptCheckpointError(
-            f"{self.store.uri}: no committed step passed verification:\n  " + "\n  ".join(failures)
+            f"{self.store.uri}: no committed step passed verification:\n  " + "\n  ".join(failures),
+            uri=self.store.uri,
         )
 
     def sync(self, step: int) -> bool:
@@ -127,12 +128,12 @@ class NodeAgent:
 
     def _pull_one(self, step: int) -> None:
         self.local_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.local_dir / f"{TMP_PREFIX}pull-{uuid.uuid4().hex[:12]}"
+        tmp = self.local_dir / temp_name(f"pull-{step}")
         try:
             self.store.pull_dir(tmp, step=step, fallback=False)
             target = self.step_dir(step)
             if target.exists():  # stale or partial: move it aside, then drop it
-                old = self.local_dir / f"{TMP_PREFIX}old-{uuid.uuid4().hex[:12]}"
+                old = self.local_dir / temp_name(f"old-{step}")
                 os.replace(target, old)
                 _discard_dir(old)
             os.replace(tmp, target)
@@ -272,12 +273,18 @@ class RayFleet:
                 errors.append(
                     cause
                     if isinstance(cause, CheckpointError)
-                    else BackendError(f"the ckptstore agent on node {node} failed: {e}")
+                    else BackendError(
+                        f"the ckptstore agent on node {node} failed: {e}", uri=self._spec[1]
+                    )
                 )
             except self._ray.exceptions.RayActorError as e:
                 del self._actors[node]
                 errors.append(
-                    BackendError(f"the ckptstore agent on node {node} died: {e}", retryable=True)
+                    BackendError(
+                        f"the ckptstore agent on node {node} died: {e}",
+                        retryable=True,
+                        uri=self._spec[1],
+                    )
                 )
         if errors:
             raise errors[0]
@@ -301,14 +308,17 @@ def assign_files(
                 raise ConflictError(
                     f"step {step}: {rel} is {size} bytes on node {node} but {sizes[rel]} bytes "
                     f"on node {holders[rel][0]}; one of them is a stale copy from another run. "
-                    f"Delete {layout.step_dir(step)} on the node whose copy is stale and save again"
+                    f"Delete {layout.step_dir(step)} on the node whose copy is stale and save "
+                    "again",
+                    step=step,
                 )
             sizes[rel] = size
             holders.setdefault(rel, []).append(node)
     if not sizes:
         raise IncompleteCheckpointError(
             f"no node holds any file of {layout.step_dir(step)}; verl saved nothing there, or "
-            "trainer.default_local_dir differs between nodes (use an absolute path)"
+            "trainer.default_local_dir differs between nodes (use an absolute path)",
+            step=step,
         )
     load = dict.fromkeys(listings, 0)
     plan: dict[str, list[str]] = {node: [] for node in listings}
@@ -331,10 +341,13 @@ def check_complete(paths: Sequence[str], step: int) -> None:
     if "data.pt" not in present:
         raise IncompleteCheckpointError(
             f"{where}/data.pt (the trainer state verl's driver writes) was found on no node; "
-            "nothing was committed"
+            "nothing was committed",
+            step=step,
         )
     if not any(p.startswith("actor/") for p in present):
-        raise IncompleteCheckpointError(f"{where} has no actor/ files; nothing was committed")
+        raise IncompleteCheckpointError(
+            f"{where} has no actor/ files; nothing was committed", step=step
+        )
     ranks: dict[tuple[str, int], set[int]] = {}
     for path in present:
         folder, _, name = path.rpartition("/")
@@ -349,7 +362,8 @@ def check_complete(paths: Sequence[str], step: int) -> None:
             raise IncompleteCheckpointError(
                 f"{where}: {kind}_world_size_{world}_rank_R.pt is missing for rank(s) {shown} on "
                 "every node that reported; a node without an agent (or a failed save) would "
-                "lose them, so nothing was committed"
+                "lose them, so nothing was committed",
+                step=step,
             )
 
 
@@ -359,13 +373,15 @@ def _scan(root: Path) -> Iterator[tuple[str, int, Path]]:
     base = root.resolve()
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
+        dirnames[:] = [d for d in dirnames if not d.startswith(SKIPPED_PREFIXES)]
         for name in filenames:
-            if name.startswith(TMP_PREFIX) or name.startswith(".ckpt-tmp-"):
+            if name.startswith(SKIPPED_PREFIXES):
                 continue
             path = Path(dirpath, name)
             if path.is_symlink() and not path.resolve().is_relative_to(base):
-                raise ConfigError(f"{path} is a symlink leaving {root}; refusing to upload it")
+                raise ConfigError(
+                    f"{path} is a symlink leaving {root}; refusing to upload it", path=str(path)
+                )
             found.append((path.relative_to(root).as_posix(), path.stat().st_size, path))
     yield from sorted(found)
 

@@ -38,10 +38,10 @@ from multiprocessing.context import ForkServerContext
 from typing import Any
 
 from ckptstore.errors import CheckpointError
-from ckptstore.s3server import LocalS3Server
 from ckptstore.store import CheckpointStore
 from ckptstore.testing.killcheck import Findings, LocalView, RawView, S3View, check
 from ckptstore.testing.killsaver import MiB, SaverJob, run_saver
+from ckptstore.testing.s3server import LocalS3Server
 
 MODES = ("sync", "async")
 TARGETS = ("local", "s3")

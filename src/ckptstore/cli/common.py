@@ -24,7 +24,7 @@ from ckptstore.store import CheckpointStore
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# The documented exit statuses (the table is in cli.py's docstring and --help).
+# The documented exit statuses (the table is in main.py's docstring and --help).
 EXIT_OK = 0
 EXIT_UNEXPECTED = 1
 EXIT_USAGE = 2

@@ -31,9 +31,9 @@ from typing import Any
 
 import click
 
-from ckptstore import cli_commands, cli_transfer
 from ckptstore.backends.registry import scheme_of
-from ckptstore.cli_common import (
+from ckptstore.cli import commands, transfer
+from ckptstore.cli.common import (
     COUNT,
     EXIT_BACKEND,
     EXIT_COMPAT,
@@ -138,7 +138,7 @@ def cli() -> None:
     """
 
 
-for _command in [*cli_commands.COMMANDS, *cli_transfer.COMMANDS]:
+for _command in [*commands.COMMANDS, *transfer.COMMANDS]:
     cli.add_command(_command)
 
 
@@ -166,7 +166,7 @@ def demo_command(
     kill_at: int | None,
 ) -> None:
     """Train, get killed, resume on a fresh process from S3, and prove it bit-identical."""
-    from ckptstore.demo import run_demo
+    from ckptstore.cli.demo import run_demo
 
     settings = settings_of(ctx)
     if settings.as_json:
@@ -221,10 +221,6 @@ def run(argv: Sequence[str] | None = None) -> int:
 def main() -> None:
     """The console script ``ckptstore``."""
     sys.exit(run())
-
-
-if __name__ == "__main__":
-    main()
 
 
 __all__ = ["EXIT_CODES", "cli", "exit_code_for", "main", "run"]

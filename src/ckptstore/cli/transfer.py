@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ckptstore.cli_common import (
+from ckptstore.cli.common import (
     COUNT,
     STEP,
     common_options,
@@ -28,9 +28,9 @@ from ckptstore.cli_common import (
     settings_of,
     step_list,
 )
-from ckptstore.cli_format import human_size, step_record
-from ckptstore.commit import Progress
+from ckptstore.cli.format import human_size, step_record
 from ckptstore.errors import NotFoundError
+from ckptstore.payload import Progress
 from ckptstore.store import CheckpointStore
 from ckptstore.transfer import scan_dir
 

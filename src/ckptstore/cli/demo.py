@@ -29,11 +29,11 @@ import torch
 
 import ckptstore
 from ckptstore.backends.registry import scheme_of
-from ckptstore.cli_format import steps_table, versions_table
-from ckptstore.demo_train import Job, reference_run
+from ckptstore.cli.demo_train import Job, reference_run
+from ckptstore.cli.format import steps_table, versions_table
 from ckptstore.errors import ConfigError
-from ckptstore.s3server import LocalS3Server
 from ckptstore.store import CheckpointStore
+from ckptstore.testing.s3server import LocalS3Server
 
 BUCKET = "ckptstore-demo"
 PREFIX = "tiny-mlp"
@@ -58,31 +58,10 @@ def run_demo(
     say: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> int:
     """Run the demo, narrating through ``say``; returns the exit status (0: bit-identical)."""
-    kill_at = default_kill_at(steps, save_every) if kill_at is None else kill_at
-    if not save_every <= kill_at < steps or kill_at % save_every == 0:
-        raise ConfigError(
-            f"--kill-at {kill_at} must fall between two saves, after the first one "
-            f"(between {save_every} and {steps}, not a multiple of {save_every})"
-        )
-    if uri is not None and scheme_of(uri) == "memory":
-        raise ConfigError(
-            f"the demo cannot use {uri}: memory:// lives inside one process, and the demo's runs "
-            "are separate processes. Use a local path or an s3:// URI"
-        )
+    kill_at = _checked_kill_at(uri, steps, save_every, kill_at)
     started = time.perf_counter()
     with ExitStack() as stack:
-        if uri is None:
-            server = stack.enter_context(LocalS3Server())
-            uri = f"{server.create_bucket(BUCKET)}/{PREFIX}"
-            storage_options = server.storage_options()
-            say(f"started an embedded S3 server (moto) at {server.endpoint_url}")
-        options = storage_options or {}
-        store = stack.enter_context(CheckpointStore(uri, storage_options=options))
-        if store.list():
-            raise ConfigError(
-                f"the demo needs an empty store, but {store.uri} holds committed steps; "
-                "pass another --uri, or remove them with `ckptstore rm`"
-            )
+        store, options = _open_empty_store(stack, uri, storage_options, say)
         say(f"store: {store.uri}  (save every {save_every} steps, keep_last={keep_last})")
         job = Job(
             uri=store.uri,
@@ -94,40 +73,98 @@ def run_demo(
             kill_at=kill_at,
             verbose=verbose,
         )
-
-        say(f"\nrun 1: training {steps} steps in a subprocess; it will be killed at step {kill_at}")
-        code = _run_worker(job)
-        if code != -signal.SIGKILL:
-            say(f"FAILED: run 1 should have died by SIGKILL, but exited with status {code}")
+        if not _preempt_and_resume(store, job, say):
             return EXIT_FAILED
-        latest = store.latest()
-        held = ", ".join(str(i.step) for i in store.list())
-        say(
-            f"run 1 was killed at step {kill_at} (exit status {code}: SIGKILL); the store holds "
-            f"steps {held}, latest = {latest.step if latest else None}"
-        )
-
-        say(
-            "\nrun 2: a fresh process (another cluster) resumes, given only the URI; the "
-            "scheduler knows run 1 is dead, so run 2 takes over its writer lease"
-        )
-        code = _run_worker(replace(job, label="run 2", kill_at=None, takeover=True))
-        if code != 0:
-            say(f"FAILED: run 2 exited with status {code}")
-            return EXIT_FAILED
-
-        infos = store.list()
-        latest = store.latest()
-        say(f"\n$ ckptstore ls {store.uri}")
-        say(steps_table(infos, latest=latest.step if latest else None, pins=store.pins()))
-        say("\nwho wrote them (from the manifests):")
-        say(versions_table(infos))
-
+        _show_store(store, say)
         say(f"\nchecking: an uninterrupted {steps}-step run, in this process, no store")
         expected = reference_run(steps)
         resumed = store.load(steps)
         compared, differences = compare_states(expected, resumed)
-    seconds = time.perf_counter() - started
+    return _verdict(compared, differences, time.perf_counter() - started, say)
+
+
+def _checked_kill_at(uri: str | None, steps: int, save_every: int, kill_at: int | None) -> int:
+    """The step to kill run 1 at; refuses, before anything starts, what cannot tell a story."""
+    kill_at = default_kill_at(steps, save_every) if kill_at is None else kill_at
+    if not save_every <= kill_at < steps or kill_at % save_every == 0:
+        raise ConfigError(
+            f"--kill-at {kill_at} must fall between two saves, after the first one "
+            f"(between {save_every} and {steps}, not a multiple of {save_every})"
+        )
+    if uri is not None and scheme_of(uri) == "memory":
+        raise ConfigError(
+            f"the demo cannot use {uri}: memory:// lives inside one process, and the demo's runs "
+            "are separate processes. Use a local path or an s3:// URI"
+        )
+    return kill_at
+
+
+def _open_empty_store(
+    stack: ExitStack,
+    uri: str | None,
+    storage_options: dict[str, Any] | None,
+    say: Callable[[str], None],
+) -> tuple[CheckpointStore, dict[str, Any]]:
+    """The store and its options, on an embedded S3 server without ``uri``; it must be empty,
+    or the comparison at the end would be against someone else's steps."""
+    if uri is None:
+        server = stack.enter_context(LocalS3Server())
+        uri = f"{server.create_bucket(BUCKET)}/{PREFIX}"
+        storage_options = server.storage_options()
+        say(f"started an embedded S3 server (moto) at {server.endpoint_url}")
+    options = storage_options or {}
+    store = stack.enter_context(CheckpointStore(uri, storage_options=options))
+    if store.list():
+        raise ConfigError(
+            f"the demo needs an empty store, but {store.uri} holds committed steps; "
+            "pass another --uri, or remove them with `ckptstore rm`"
+        )
+    return store, options
+
+
+def _preempt_and_resume(store: CheckpointStore, job: Job, say: Callable[[str], None]) -> bool:
+    """Run 1 until its SIGKILL, then run 2 to the end; False (after saying why) if either
+    did otherwise."""
+    say(
+        f"\nrun 1: training {job.steps} steps in a subprocess; "
+        f"it will be killed at step {job.kill_at}"
+    )
+    code = _run_worker(job)
+    if code != -signal.SIGKILL:
+        say(f"FAILED: run 1 should have died by SIGKILL, but exited with status {code}")
+        return False
+    latest = store.latest()
+    held = ", ".join(str(i.step) for i in store.list())
+    say(
+        f"run 1 was killed at step {job.kill_at} (exit status {code}: SIGKILL); the store holds "
+        f"steps {held}, latest = {latest.step if latest else None}"
+    )
+
+    say(
+        "\nrun 2: a fresh process (another cluster) resumes, given only the URI; the "
+        "scheduler knows run 1 is dead, so run 2 takes over its writer lease"
+    )
+    code = _run_worker(replace(job, label="run 2", kill_at=None, takeover=True))
+    if code != 0:
+        say(f"FAILED: run 2 exited with status {code}")
+        return False
+    return True
+
+
+def _show_store(store: CheckpointStore, say: Callable[[str], None]) -> None:
+    """What ``ckptstore ls`` would print, and which versions wrote each step."""
+    infos = store.list()
+    latest = store.latest()
+    say(f"\n$ ckptstore ls {store.uri}")
+    say(steps_table(infos, latest=latest.step if latest else None, pins=store.pins()))
+    say("\nwho wrote them (from the manifests):")
+    say(versions_table(infos))
+
+
+def _verdict(
+    compared: int, differences: list[str], seconds: float, say: Callable[[str], None]
+) -> int:
+    """Say whether the resumed run matched the uninterrupted one; returns the exit status."""
     if differences:
         say(f"MISMATCH in {len(differences)} of {compared} tensors and values:")
         for path in differences[:20]:
@@ -149,7 +186,7 @@ def _run_worker(job: Job) -> int:
     # The child imports this very ckptstore, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, "-m", "ckptstore.demo_train"],
+        [sys.executable, "-m", "ckptstore.cli.demo_train"],
         input=job.to_json(),
         text=True,
         env=env,

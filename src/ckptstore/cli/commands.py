@@ -10,7 +10,7 @@ import json
 
 import click
 
-from ckptstore.cli_common import (
+from ckptstore.cli.common import (
     COUNT,
     EXIT_VERIFY,
     STEP,
@@ -22,7 +22,7 @@ from ckptstore.cli_common import (
     settings_of,
     step_list,
 )
-from ckptstore.cli_format import (
+from ckptstore.cli.format import (
     format_pairs,
     format_table,
     format_value,

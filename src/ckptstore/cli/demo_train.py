@@ -6,8 +6,9 @@ draws from it). The data needs none: the batch of step ``k`` is generated from a
 from ``k``, the way a deterministic, seekable data pipeline would. CPU matmuls are
 deterministic for a fixed thread count, so the job pins one thread.
 
-Run as ``python -m ckptstore.demo_train`` with a JSON :class:`Job` on stdin (stdin, not argv,
-because storage options may hold credentials, and argv is visible to every user of the machine).
+Run as ``python -m ckptstore.cli.demo_train`` with a JSON :class:`Job` on stdin (stdin, not
+argv, because storage options may hold credentials, and argv is visible to every user of the
+machine).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckptstore.cli_format import human_size
+from ckptstore.cli.format import human_size
 from ckptstore.errors import NotFoundError
 from ckptstore.store import CheckpointStore
 

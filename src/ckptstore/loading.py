@@ -1,0 +1,143 @@
+"""Reading a step back: a state decoded from its verified files, or the files themselves.
+
+A whole state reads every file of the step. A partial load (``keys``) reads the skeleton and
+only the shards the selected parts need: with the manifest's ``files_by_key`` index, the shards
+of each selected top-level key are fetched alongside the skeleton; otherwise (older manifests,
+nested keys) the skeleton names them first. Either way every file read is verified.
+
+Torch is imported only here and in serialize.py, on first use, so the CLI's listing commands
+start without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ckptstore import layout
+from ckptstore.catalog import Catalog
+from ckptstore.errors import ConfigError, CorruptCheckpointError, NotFoundError
+from ckptstore.info import CheckpointInfo
+from ckptstore.manifest import KIND_STATE, FileEntry
+from ckptstore.payload import Progress
+from ckptstore.transfer import download_dir
+
+READ_THREADS = 8
+
+
+def load_state(
+    catalog: Catalog,
+    info: CheckpointInfo,
+    *,
+    allow_pickle: bool,
+    keys: Sequence[str] | None = None,
+) -> Any:
+    """The state a committed step holds, every byte checked against its manifest; with
+    ``keys`` (dotted paths, serialize.check_keys), only those parts, reading only their files."""
+    if info.manifest.kind != KIND_STATE:
+        raise ConfigError(
+            f"{info.uri} was pushed as a directory of files, not saved as a state; fetch "
+            "it with pull_dir() (CLI: ckptstore pull)",
+            uri=info.uri,
+            step=info.step,
+        )
+    from ckptstore.serialize import SKELETON_FILE, check_keys, decode_state
+
+    selected = check_keys(keys) if keys is not None else None  # before any read
+
+    paths = {f.path for f in info.files}
+    if SKELETON_FILE not in paths and any(p.endswith("/" + SKELETON_FILE) for p in paths):
+        raise ConfigError(
+            f"{info.uri} holds one state per rank (saved by save_distributed); load it on "
+            "every rank with ckptstore.distributed.load_distributed",
+            uri=info.uri,
+            step=info.step,
+        )
+    if selected is None:
+        data = read_all(catalog, info)
+        return decode_state(data.__getitem__, where=info.uri, allow_pickle=allow_pickle)
+    index = info.manifest.files_by_key or {}
+    with _Reader(catalog, info) as reader:
+        # shards of selected top-level keys, by the index, go out with the skeleton; for the
+        # rest (nested keys, no index) decode_state asks once the skeleton names them
+        reader.start([SKELETON_FILE, *(f for key in selected for f in index.get(key, ()))])
+        try:
+            return decode_state(
+                reader.read,
+                where=info.uri,
+                allow_pickle=allow_pickle,
+                keys=selected,
+                prefetch=reader.start,
+            )
+        except NotFoundError as e:  # a key the state lacks: about the step as a whole
+            e.add_context(step=info.step, path=layout.step_dir(info.step))
+            raise
+
+
+class _Reader:
+    """Verified reads of one step's files on a thread pool, each file read at most once."""
+
+    def __init__(self, catalog: Catalog, info: CheckpointInfo) -> None:
+        self.catalog, self.info = catalog, info
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckpt-read")
+        self._reads: dict[str, Future[memoryview]] = {}
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)  # reads nobody waits for, on errors
+
+    def start(self, paths: Iterable[str]) -> None:
+        """Begin reading ``paths`` in the background (those not begun already)."""
+        for path in paths:
+            if path not in self._reads:
+                self._reads[path] = self._pool.submit(self._read, path)
+
+    def read(self, path: str) -> memoryview:
+        """The verified bytes of ``path``, read now unless already begun."""
+        self.start([path])
+        return self._reads[path].result()
+
+    def _read(self, path: str) -> memoryview:
+        try:
+            entry = self.info.manifest.file(path)
+        except KeyError:
+            raise CorruptCheckpointError(
+                f"{self.info.uri}: the state needs {path!r}, which its manifest does not list; "
+                "the step is corrupt. Load an earlier step",
+                uri=self.info.uri,
+                step=self.info.step,
+                path=layout.step_dir(self.info.step),
+            ) from None
+        # no listing first: a large file is stat'ed before its buffer is allocated instead
+        return self.catalog.read_verified(self.info.step, entry)
+
+
+def read_all(catalog: Catalog, info: CheckpointInfo) -> dict[str, memoryview]:
+    """Every payload file of the step by path, verified; one listing checks every size."""
+    sizes = catalog.payload_sizes(info.step)
+
+    def read(entry: FileEntry) -> memoryview:
+        return catalog.read_verified(
+            info.step, entry, actual_size=sizes.get(entry.key(info.step), -1)
+        )
+
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckpt-read") as pool:
+        return dict(zip((f.path for f in info.files), pool.map(read, info.files), strict=True))
+
+
+def download_step(
+    catalog: Catalog, info: CheckpointInfo, target: Path, progress: Progress | None
+) -> None:
+    """Write a committed step's files under ``target`` with their names, each verified."""
+
+    def read(entry: FileEntry) -> memoryview:
+        data = catalog.read_verified(info.step, entry)
+        if progress:
+            progress(entry.size)
+        return data
+
+    download_dir(info.files, target, read)

@@ -1,0 +1,175 @@
+"""Removing steps and attempts, so that no reader ever sees half a step.
+
+* Uncommitting (retention, ``rm``) swaps the manifest for a tombstone first, then deletes the
+  payload, so an interrupted delete leaves garbage that ``gc`` finds, never a half-deleted
+  committed step.
+* Removing the attempts of an uncommitted step (``abort_step``, used by ``discard`` and ``gc``)
+  first puts a tombstone at the manifest key with a create-only write. While it stands no commit
+  of the step can succeed, so no file is deleted from under a step being committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from ckptstore import layout
+from ckptstore.backends.base import Backend
+from ckptstore.catalog import Catalog
+from ckptstore.errors import (
+    CheckpointError,
+    NotFoundError,
+    ObjectExistsError,
+    PreconditionFailedError,
+)
+from ckptstore.manifest import Manifest, encode_tombstone, is_tombstone
+
+log = logging.getLogger(__name__)
+
+
+class Remover:
+    """Deletes steps and attempts from one backend, tombstone first."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        writer: str,
+        catalog: Catalog,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.backend = backend
+        self.writer = writer
+        self.catalog = catalog
+        self.clock = clock
+
+    def uncommit(self, step: int) -> None:
+        """Delete a committed step: its manifest is swapped for a tombstone first (the step is
+        uncommitted from that instant), then the files it lists go, then the tombstone. A
+        delete that dies half-way leaves a tombstone and files that ``gc`` removes, never a
+        half step. Removing the tombstone at once is safe here, unlike in :meth:`abort_step`:
+        the files deleted belong to attempts that were committed, which nobody commits again."""
+        path = layout.manifest_path(step)
+        try:
+            data, version = self.backend.read_versioned(path)
+        except NotFoundError:
+            return
+        if is_tombstone(data):
+            return
+        manifest = Manifest.decode(data, where=self.catalog.uri(path))
+        attempts = {f.attempt for f in manifest.files if f.attempt is not None}
+        self._swap(path, encode_tombstone(self.writer, self.clock(), attempts), version)
+        self.catalog.forget(step)
+        markers = {layout.attempt_marker_path(step, a) for a in attempts}
+        delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
+        self.drop_tombstone(step)
+
+    def _swap(self, path: str, data: bytes, version: str) -> None:
+        """Compare-and-swap, where a failed precondition caused by our own swap (it landed,
+        its answer was lost, the retry found the object changed) counts as done."""
+        try:
+            self.backend.swap(path, data, version)
+        except PreconditionFailedError:
+            with contextlib.suppress(NotFoundError):
+                if self.backend.read(path) == data:
+                    return
+            raise
+
+    def discard_attempts(self, step: int, attempts: Iterable[str]) -> None:
+        """Remove our own attempts' files, unless a manifest of the step lists them (a commit
+        whose answer was lost). Another writer cannot commit our attempts, so no tombstone is
+        needed. Failures are logged: ``gc`` removes what is left."""
+        doomed = set(attempts)
+        try:
+            with contextlib.suppress(NotFoundError):
+                doomed -= {f.attempt for f in self.catalog.read_manifest(step).files}
+            paths = [
+                o.path
+                for o in self.backend.list(layout.step_dir(step) + "/")
+                if layout.parse_attempt_path(step, o.path) in doomed
+            ]
+            delete_attempt_files(self.backend, paths)
+        except CheckpointError as e:
+            log.warning("could not remove the files of uncommitted step %d (gc will): %s", step, e)
+
+    def abort_step(
+        self, step: int, attempts: set[str] | None = None, *, keep_tombstone: bool = True
+    ) -> list[str] | None:
+        """Remove the files of the step's uncommitted attempts (all of those present now, or
+        only ``attempts``); returns what was deleted, or ``None`` if the step is committed.
+
+        The attempts are chosen first, then the step's manifest key is claimed with a fresh
+        tombstone, then their files are deleted. A committer of a chosen attempt began before
+        the claim, so its create-only (or compare-and-swap) commit fails: no file is ever
+        deleted from under a step being committed. Files outside attempts are never touched.
+        ``keep_tombstone=False`` (a coordinator discarding its own ranks' attempts, which it
+        will not commit) removes the tombstone at the end; ``gc``, which removes attempts of
+        writers it does not know, keeps it, as :meth:`claim` explains.
+        """
+        prefix = layout.step_dir(step) + "/"
+        if attempts is None:
+            attempts = {
+                a
+                for o in self.backend.list(prefix)
+                if (a := layout.parse_attempt_path(step, o.path)) is not None
+            }
+        if not self.claim(step, attempts):
+            return None
+        doomed = [
+            o.path
+            for o in self.backend.list(prefix)
+            if layout.parse_attempt_path(step, o.path) in attempts
+        ]
+        delete_attempt_files(self.backend, doomed)
+        if not keep_tombstone:
+            self.drop_tombstone(step)
+        return doomed
+
+    def claim(self, step: int, attempts: Iterable[str]) -> bool:
+        """Put a fresh tombstone naming ``attempts`` at an uncommitted step's manifest key
+        (create-only, or by compare-and-swap over an older tombstone); False if a manifest is
+        there. A committer may commit over a tombstone that names none of its attempts, by
+        compare-and-swap against the version it read, so a newer claim always wins.
+
+        Tombstones are not deleted right away: a committer that saw the key empty before a
+        remover's tombstone could otherwise commit after the remover deleted both its files and
+        the tombstone. ``gc`` removes a tombstone once it is a day old.
+        """
+        path = layout.manifest_path(step)
+        tombstone = encode_tombstone(self.writer, self.clock(), attempts)
+        for _ in range(3):
+            try:
+                self.backend.create(path, tombstone)
+                return True
+            except ObjectExistsError:
+                pass
+            try:
+                held, version = self.backend.read_versioned(path)
+            except NotFoundError:
+                continue
+            if not is_tombstone(held):
+                return False
+            try:
+                self.backend.swap(path, tombstone, version)
+                return True
+            except PreconditionFailedError:
+                continue
+        return False
+
+    def drop_tombstone(self, step: int) -> None:
+        """Delete the step's tombstone, unless a manifest replaced it."""
+        path = layout.manifest_path(step)
+        with contextlib.suppress(NotFoundError):
+            if is_tombstone(self.backend.read(path)):
+                self.backend.delete([path])
+
+
+def delete_attempt_files(backend: Backend, paths: Iterable[str]) -> None:
+    """Delete attempt files, markers last, so an interrupted delete leaves a recognisable
+    attempt (marker present) rather than anonymous files."""
+    paths = list(paths)
+    markers = [p for p in paths if p.endswith("/" + layout.ATTEMPT_MARKER)]
+    backend.delete([p for p in paths if p not in markers])
+    backend.delete(markers)

@@ -1,0 +1,252 @@
+"""The write path of a save: stage the payload, commit it, move ``latest``, apply retention.
+
+``CheckpointStore.save`` serializes a state into payload files (serialize.py) and hands them
+here; ``push_dir``, the distributed savers and the integrations stage and commit their own
+files through the same two calls, :meth:`StepWriter.stage` and :meth:`StepWriter.commit`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ckptstore import layout
+from ckptstore.background import BackgroundSaver, SaveHandle
+from ckptstore.catalog import Catalog
+from ckptstore.commit import Committer
+from ckptstore.errors import (
+    CompatibilityError,
+    ConfigError,
+    ConflictError,
+    CorruptCheckpointError,
+    NotFoundError,
+)
+from ckptstore.info import CheckpointInfo, SaveStats
+from ckptstore.lease import WriterLease
+from ckptstore.maintenance import Maintenance
+from ckptstore.manifest import KIND_STATE, Environment, FileEntry, Manifest, check_metadata
+from ckptstore.observer import SaveObserver
+from ckptstore.payload import Progress, SourceFile
+
+if TYPE_CHECKING:
+    from ckptstore.snapshot import Snapshotter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepWriter:
+    """Saves steps into one store, under its writer lease if it has one; ``environment``
+    describes this process, for manifests."""
+
+    maintenance: Maintenance
+    lease: WriterLease | None
+    environment: Callable[[], Environment]
+    clock: Callable[[], float]
+    incremental: bool
+    shard_size: int
+    observer: SaveObserver | None = None
+    background: BackgroundSaver[CheckpointInfo] = field(default_factory=BackgroundSaver)
+    """The one async save in flight; every save waits for it first."""
+    snapshotter: Snapshotter | None = None
+    """Host buffers for async snapshots, reused from save to save."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shard_size, int) or self.shard_size < 1:
+            raise ConfigError(
+                f"shard_size must be a positive number of bytes, got {self.shard_size!r}"
+            )
+
+    def hold_lease(self) -> int:
+        """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""
+        return self.lease.hold() if self.lease is not None else 0
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.maintenance.catalog
+
+    @property
+    def committer(self) -> Committer:
+        return self.maintenance.committer
+
+    @property
+    def uri(self) -> str:
+        return self.catalog.backend.uri
+
+    def save(
+        self, step: int, state: Any, metadata: Mapping[str, Any] | None, allow_pickle: bool
+    ) -> CheckpointInfo:
+        """Serialize ``state`` (serialize.py) and write it as ``step``."""
+        step = layout.check_step(step)
+        user_metadata = check_metadata(metadata)
+        self.background.drain()
+        from ckptstore.serialize import encode_state
+
+        encoded = encode_state(state, shard_size=self.shard_size, allow_pickle=allow_pickle)
+        return self.write(
+            step, encoded.files(), KIND_STATE, user_metadata, files_by_key=encoded.files_by_key
+        )
+
+    def save_async(
+        self, step: int, state: Any, metadata: Mapping[str, Any] | None, allow_pickle: bool
+    ) -> SaveHandle[CheckpointInfo]:
+        """Snapshot ``state`` into reused host buffers, then write it in the background."""
+        step = layout.check_step(step)
+        user_metadata = check_metadata(metadata)
+        self.background.drain()
+        started = time.perf_counter()
+        from ckptstore.serialize import encode_state
+        from ckptstore.snapshot import Snapshotter
+
+        snapshotter = self.snapshotter = self.snapshotter or Snapshotter()
+        snapshotter.begin()
+        encoded = encode_state(
+            state, shard_size=self.shard_size, allow_pickle=allow_pickle, snapshot=snapshotter
+        )
+        snapshotter.finish()
+        blocked = time.perf_counter() - started
+        files, files_by_key = encoded.files(), encoded.files_by_key
+
+        def work() -> CheckpointInfo:
+            return self.write(
+                step, files, KIND_STATE, user_metadata, blocked=blocked, files_by_key=files_by_key
+            )
+
+        return self.background.submit(step, work, blocked)
+
+    def write(
+        self,
+        step: int,
+        files: list[SourceFile],
+        kind: str,
+        metadata: Mapping[str, Any],
+        *,
+        progress: Progress | None = None,
+        blocked: float = 0.0,
+        files_by_key: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> CheckpointInfo:
+        """Stage and commit ``files`` as ``step``, telling the observer how it went;
+        ``files_by_key`` indexes a state's files in the manifest (manifest.py)."""
+        started = time.perf_counter()
+        try:
+            self.hold_lease()  # fail before uploading anything if another writer holds the store
+            entries = self.stage(step, files, kind=kind, progress=progress)
+            return self.commit(
+                step,
+                entries,
+                kind=kind,
+                metadata=metadata,
+                timing=(started, blocked),
+                files_by_key=files_by_key,
+            )
+        except BaseException as e:
+            error = e  # bound for the lambda: ruff cannot see that it runs inside this block
+            self._observe(lambda o: o.failed(self.uri, step, error))
+            raise
+
+    def stage(
+        self, step: int, files: Iterable[SourceFile], *, kind: str, progress: Progress | None
+    ) -> list[FileEntry]:
+        """Upload payload files of ``step`` into an attempt of their own, uncommitted."""
+        step = layout.check_step(step)
+        self._check_step_is_free(step)
+        previous = self.catalog.previous_manifest(kind) if self.incremental else None
+        return self.committer.write_payload(
+            step,
+            files,
+            progress,
+            previous=previous,
+            epoch=self.lease.epoch or 0 if self.lease is not None else 0,
+        )
+
+    def commit(
+        self,
+        step: int,
+        entries: Iterable[FileEntry],
+        *,
+        kind: str,
+        metadata: Mapping[str, Any],
+        world_size: int | None = None,
+        timing: tuple[float, float] | None = None,
+        files_by_key: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> CheckpointInfo:
+        """Commit staged files as ``step``: confirm them, write the manifest, move ``latest``,
+        apply retention. On failure before the manifest is written nothing is committed."""
+        started, blocked = timing or (time.perf_counter(), 0.0)
+        step = layout.check_step(step)
+        entries = tuple(entries)
+        environment = self.environment()
+        if world_size is not None:
+            environment = replace(environment, world_size=world_size)
+        try:
+            self.committer.confirm_payload(step, entries)
+            epoch = self.hold_lease()  # renewing is the fence check: right before the commit
+            manifest = Manifest(
+                step=step,
+                created=self.clock(),
+                kind=kind,
+                files=entries,
+                environment=environment,
+                writer=self.committer.writer,
+                metadata=check_metadata(metadata),
+                lease_epoch=epoch,
+                files_by_key=dict(files_by_key) if files_by_key is not None else None,
+            )
+            manifest = self.committer.commit(manifest)
+        except BaseException:
+            attempts = {e.attempt for e in entries if e.attempt}
+            self.committer.remover.discard_attempts(step, attempts)
+            raise
+        self.committer.advance_latest(step, epoch=epoch)
+        stats = SaveStats.of(manifest, time.perf_counter() - started, blocked)
+        log.info("%s: %s", self.uri, stats)
+        self._observe(lambda o: o.saved(self.uri, stats))
+        self.maintenance.retain_after_save()
+        return self.catalog.info_of(manifest, stats)
+
+    def _check_step_is_free(self, step: int) -> None:
+        """Refuse a committed step before uploading anything; remove a step that a writer
+        fenced off by a lease takeover committed (pointer.py), since it is never loaded."""
+        if self.catalog.backend.stat(layout.manifest_path(step)) is None:
+            return
+        try:
+            manifest: Manifest | None = self.catalog.read_manifest(step)
+        except NotFoundError:
+            return  # a tombstone: the step was removed, and may be saved anew (removal.py)
+        except (CorruptCheckpointError, CompatibilityError):
+            manifest = None
+        pointer = self.catalog.pointer_or_none()
+        if (
+            manifest is not None
+            and pointer is not None
+            and pointer.fenced(step, manifest.lease_epoch)
+        ):
+            log.warning(
+                "%s: removing step %d, committed by %s after it lost the writer lease (epoch "
+                "%d); saving it anew",
+                self.uri,
+                step,
+                manifest.writer,
+                manifest.lease_epoch,
+            )
+            self.committer.remover.uncommit(step)
+            return
+        raise ConflictError(
+            f"step {step} is already committed in {self.uri}; committed steps are "
+            "immutable. Save under a new step, or `ckptstore rm` it first",
+            uri=self.catalog.uri(layout.step_dir(step)),
+            path=layout.step_dir(step),
+            step=step,
+        )
+
+    def _observe(self, tell: Callable[[SaveObserver], None]) -> None:
+        """Tell the observer; its own failure is logged, never raised into the save."""
+        if self.observer is None:
+            return
+        try:
+            tell(self.observer)
+        except Exception as e:
+            log.warning("%s: the save observer raised %r; ignored", self.uri, e)

@@ -1,0 +1,188 @@
+"""What the explorer explores: scenarios of actors over one in-memory store, and their world.
+
+A :class:`World` is one schedule's universe (a fresh scheduled backend, the stores opened on
+it, the states written); a :class:`Scenario` builds its actors (writers, a pruner, gc, a zombie
+writer and its replacement) and optionally a setup restored before each schedule. Kept apart
+from explore.py, which only enumerates schedules, so adding a scenario touches nothing else.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore.store import CheckpointStore
+from ckptstore.testing.scheduled_backend import ScheduledBackend
+from ckptstore.testing.scheduler import Actor, Scheduler
+
+
+class World:
+    """One schedule's universe: a backend, its scheduler, stores, and the states saved."""
+
+    def __init__(self) -> None:
+        self.scheduler = Scheduler()
+        self.backend = ScheduledBackend(self.scheduler)
+        self.saved: dict[int, list[Any]] = {}
+        """Every state some writer saves, by step: what a resume may return."""
+        self.stores: list[CheckpointStore] = []
+        """Kept alive for the run: a store that is collected releases its lease, a call."""
+
+    def restore(self, other: World) -> None:
+        """Start from ``other``'s storage, logical time and saved states."""
+        self.backend.objects = dict(other.backend.objects)
+        self.backend.versions = other.backend.versions
+        self.scheduler.time = other.scheduler.time
+        self.saved = {step: list(states) for step, states in other.saved.items()}
+
+    def store(self, **options: Any) -> CheckpointStore:
+        """A store on this backend and logical clock, with no lease heartbeat thread."""
+        if "lease_ttl" in _STORE_PARAMETERS:
+            options.setdefault("lease_ttl", math.inf)
+        store = CheckpointStore(
+            self.backend.uri, backend=self.backend, clock=self.scheduler.clock, **options
+        )
+        _skip_idle_costs(store)
+        self.stores.append(store)
+        return store
+
+    def expect(self, step: int, state: Any) -> Any:
+        """Record that some writer saves ``state`` as ``step``."""
+        self.saved.setdefault(step, []).append(state)
+        return state
+
+    def saver(self, store: CheckpointStore, step: int, state: Any) -> Callable[[], object]:
+        """An actor that saves ``state`` as ``step``."""
+        self.expect(step, state)
+        return lambda: store.save(step, state).step
+
+    def setup_save(self, store: CheckpointStore, step: int, state: Any) -> None:
+        self.saver(store, step, state)()
+
+
+_STORE_PARAMETERS = inspect.signature(CheckpointStore).parameters
+_ENVIRONMENT: list[Any] = []
+
+
+def _skip_idle_costs(store: CheckpointStore) -> None:
+    """Spare each store the environment probe (tens of ms, the same answer for every store in
+    this process) and the backoff sleeps after lost races (they cannot change who runs next)."""
+    own = vars(store)
+    if own.get("_environment", False) is None:
+        if not _ENVIRONMENT:
+            from ckptstore.environment import current_environment
+
+            _ENVIRONMENT.append(current_environment(world_size=1))
+        own["_environment"] = _ENVIRONMENT[0]
+    for part in ("_committer", "_catalog"):
+        helper = own.get(part)
+        if helper is not None and "sleep" in vars(helper):
+            vars(helper)["sleep"] = lambda seconds: None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    build: Callable[[World], list[Actor]]
+    """Creates the actors (and any setup that needs their stores): not explored."""
+    prepare: Callable[[World], None] | None = None
+    """Setup that leaves only storage behind: run once, restored for each schedule."""
+    preemptions: int = 2
+    """The preemption bound CI runs it with."""
+
+
+def _state(step: int, tag: int) -> dict[str, Any]:
+    return {"step": step, "tag": tag}
+
+
+def _tensor_state(step: int, tag: int) -> dict[str, Any]:
+    import torch
+
+    return {"w": torch.full((2,), float(tag)), "step": step}  # two files: a shard, a skeleton
+
+
+def _one_step(w: World) -> None:
+    w.setup_save(w.store(lease=False), 1, _state(1, 0))
+
+
+def _two_steps_one_pinned(w: World) -> None:
+    setup = w.store(lease=False)
+    w.setup_save(setup, 1, _state(1, 0))
+    w.setup_save(setup, 2, _state(2, 0))
+    setup.pin(1)
+
+
+def _writer(w: World, name: str, step: int, role: str = "writer", **options: Any) -> Actor:
+    """A writer with ``keep_last`` applies retention after its save: it has a pruner's role."""
+    store = w.store(**{"lease": False, **options})
+    return Actor(name, w.saver(store, step, _state(step, len(w.stores))), role)
+
+
+def _pruner(w: World) -> Actor:
+    return Actor("pruner", w.store(lease=False, keep_last=1).prune, role="pruner")
+
+
+def _collector(w: World) -> Actor:
+    store = w.store(lease=False)
+    return Actor("gc", lambda: store.gc(older_than=0), role="gc")
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def _scenario(
+    name: str, title: str, prepare: Callable[[World], None] | None = None, preemptions: int = 2
+) -> Callable[[Callable[[World], list[Actor]]], Callable[[World], list[Actor]]]:
+    def register(build: Callable[[World], list[Actor]]) -> Callable[[World], list[Actor]]:
+        SCENARIOS[name] = Scenario(name, title, build, prepare, preemptions)
+        return build
+
+    return register
+
+
+@_scenario("same-step", "2 writers (lease=False), same step")
+def _same_step(w: World) -> list[Actor]:
+    return [Actor(f"w{i}", w.saver(w.store(lease=False), 1, _tensor_state(1, i))) for i in (1, 2)]
+
+
+@_scenario("two-steps", "2 writers (lease=False), steps 1 and 2")
+def _two_steps(w: World) -> list[Actor]:
+    return [_writer(w, "w1", 1), _writer(w, "w2", 2)]
+
+
+@_scenario("prune", "writer (keep_last=1) + pruner, step 1 pinned", _two_steps_one_pinned)
+def _prune(w: World) -> list[Actor]:
+    return [_writer(w, "writer", 3, "pruner", keep_last=1), _pruner(w)]
+
+
+@_scenario("gc", "writer (lease=False) + gc(older_than=0)", _one_step)
+def _gc(w: World) -> list[Actor]:
+    return [_writer(w, "writer", 2), _collector(w)]
+
+
+@_scenario("gc-leased", "writer (leased) + gc(older_than=0)", _one_step)
+def _gc_leased(w: World) -> list[Actor]:
+    return [_writer(w, "writer", 2, lease=True), _collector(w)]
+
+
+@_scenario("zombie", "zombie (epoch 1) + replacement (takeover), step 2")
+def _zombie(w: World) -> list[Actor]:
+    zombie = w.store()
+    w.setup_save(zombie, 1, _state(1, 0))  # takes the lease: epoch 1
+    theirs = w.expect(2, _state(2, 2))
+
+    def take_over_and_save() -> object:  # opening with takeover=True may write already
+        return w.store(takeover=True).save(2, theirs).step
+
+    return [
+        Actor("zombie", w.saver(zombie, 2, _state(2, 1))),
+        Actor("replacement", take_over_and_save),
+    ]
+
+
+@_scenario("all", "2 writers + pruner + gc", _one_step, preemptions=1)
+def _all(w: World) -> list[Actor]:
+    return [_writer(w, "w1", 2), _writer(w, "w2", 3), _pruner(w), _collector(w)]
