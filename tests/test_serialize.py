@@ -23,11 +23,11 @@ from ckptstore.errors import (
 from ckptstore.serialize import (
     PICKLE_FILE,
     SKELETON_FILE,
-    check_keys,
     decode_shard,
     decode_state,
     encode_state,
 )
+from ckptstore.state_selection import check_keys
 
 
 def files_of(state: Any, **options: Any) -> dict[str, bytearray]:

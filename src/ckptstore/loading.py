@@ -35,7 +35,8 @@ def load_state(
     keys: Sequence[str] | None = None,
 ) -> Any:
     """The state a committed step holds, every byte checked against its manifest; with
-    ``keys`` (dotted paths, serialize.check_keys), only those parts, reading only their files."""
+    ``keys`` (dotted paths, see state_selection.check_keys), only those parts, reading only
+    their files."""
     if info.manifest.kind != KIND_STATE:
         raise ConfigError(
             f"{info.uri} was pushed as a directory of files, not saved as a state; fetch "
@@ -43,7 +44,8 @@ def load_state(
             uri=info.uri,
             step=info.step,
         )
-    from ckptstore.serialize import SKELETON_FILE, check_keys, decode_state
+    from ckptstore.serialize import SKELETON_FILE, decode_state
+    from ckptstore.state_selection import check_keys
 
     selected = check_keys(keys) if keys is not None else None  # before any read
 

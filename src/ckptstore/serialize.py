@@ -15,8 +15,8 @@ Anything else in a state is an error at save time, naming where it sits. Callers
 the risk can pass ``allow_pickle=True`` to keep such objects in a separate pickle file, which
 ``load`` then refuses to read unless it is given ``allow_pickle=True`` as well.
 
-A load may select parts of a dict state by dotted paths (``keys=["model", "optim.state"]``):
-only the shards holding the selected tensors are read, and the pickle file only if a selected
+A load may select parts of a dict state by dotted paths (``keys=["model", "optim.state"]``,
+resolved by state_selection.py): only the shards holding the selected tensors are read, and the pickle file only if a selected
 part holds pickled objects. For a dict state, :attr:`EncodedState.files_by_key` says which shards
 hold each top-level key's tensors, for the manifest, so a loader can fetch them alongside the
 skeleton instead of after it.
@@ -29,22 +29,28 @@ import json
 import math
 import re
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 
 from ckptstore.backends.base import Chunk
 from ckptstore.errors import (
-    ConfigError,
     CorruptCheckpointError,
-    NotFoundError,
     SerializationError,
     UnsafeLoadError,
 )
 from ckptstore.layout import DEFAULT_SHARD_SIZE
 from ckptstore.payload import SourceFile
+from ckptstore.state_selection import (
+    Selection,
+    check_keys,
+    dict_entries,
+    select,
+    selected_parts,
+    shards_of,
+)
 
 SKELETON_FILE = "state.json"
 PICKLE_FILE = "objects.pt"
@@ -161,11 +167,11 @@ def encode_state(
         buffer = io.BytesIO()
         torch.save(encoder.objects, buffer)
         pickled = buffer.getvalue()
-    entries = _entries(skeleton)
+    entries = dict_entries(skeleton)
     files_by_key = (
         None
         if entries is None
-        else {key: _shards_of([value], names) for key, value in entries.items()}
+        else {key: shards_of([value], names) for key, value in entries.items()}
     )
     return EncodedState(json.dumps(body, allow_nan=False).encode(), shards, pickled, files_by_key)
 
@@ -348,13 +354,13 @@ def decode_state(
         skeleton = body["state"]
     except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{where}: {SKELETON_FILE} is malformed ({e!r})") from e
-    selection: _Selection | None = None
+    selection: Selection | None = None
     try:
         if selected is None:
             paths = sorted(set(shard_of.values()))
         else:
-            selection = _select(skeleton, selected, where)
-            paths = list(_shards_of(_selected_parts(skeleton, selection), shard_of))
+            selection = select(skeleton, selected, where)
+            paths = list(shards_of(selected_parts(skeleton, selection), shard_of))
     except (AttributeError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: {SKELETON_FILE} is malformed ({e!r})") from e
     if prefetch is not None:
@@ -379,130 +385,6 @@ def decode_state(
     return decoder.decode(skeleton) if selection is None else decoder.select(skeleton, selection)
 
 
-def check_keys(keys: Sequence[str]) -> tuple[str, ...]:
-    """``keys`` of a partial load as a tuple, or ConfigError: a non-empty list of dotted paths.
-
-    ``"model.encoder"`` is ``state["model"]["encoder"]``. A dict key that itself holds dots (a
-    flat ``state_dict``'s ``"encoder.weight"``) is matched too, the longest key first: so
-    ``"model.encoder.weight"`` also finds ``state["model"]["encoder.weight"]``.
-    """
-    example = "pass a list of dotted paths, e.g. keys=['model'] or keys=['model.encoder']"
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
-        raise ConfigError(f"keys must be a list of str, not {type(keys).__name__}: {example}")
-    result = tuple(keys)
-    if not result:
-        raise ConfigError(f"keys is empty: {example}, or keys=None to load the whole state")
-    for key in result:
-        if not isinstance(key, str) or not all(key.split(".")):
-            raise ConfigError(f"keys holds {key!r}, not a dotted path: {example}")
-    return result
-
-
-_Selection: TypeAlias = dict[str, "_Selection | None"]
-"""Which parts of a dict to decode: by key, ``None`` for the whole value, else a selection
-within it."""
-
-
-def _entries(node: Any) -> dict[str, Any] | None:
-    """The str-keyed entries of an encoded dict, or ``None`` if ``node`` encodes no dict."""
-    if not isinstance(node, dict):
-        return None
-    if len(node) == 1:
-        ((tag, inner),) = node.items()
-        if tag == "$dict":
-            return {k: v for k, v in inner if isinstance(k, str)}
-        if tag.startswith("$"):
-            return None
-    return node
-
-
-def _select(skeleton: Any, keys: Iterable[str], where: str) -> _Selection:
-    """The selection of ``keys`` in an encoded state; NotFoundError for a key it lacks."""
-    selection: _Selection = {}
-    for key in keys:
-        *outer, last = _resolve(skeleton, key, where)
-        within = selection
-        for name in outer:
-            inner = within.setdefault(name, {})
-            if inner is None:  # an enclosing part is selected whole already
-                break
-            within = inner
-        else:
-            within[last] = None
-    return selection
-
-
-def _resolve(skeleton: Any, key: str, where: str) -> list[str]:
-    """The dict keys that the dotted ``key`` names, outermost first; longest keys first."""
-    parts = key.split(".")
-    path: list[str] = []
-    node, start = skeleton, 0
-    while start < len(parts):
-        entries = _entries(node)
-        for end in range(len(parts), start, -1):
-            name = ".".join(parts[start:end])
-            if entries is not None and name in entries:
-                path.append(name)
-                node, start = entries[name], end
-                break
-        else:
-            raise NotFoundError(_missing_key(skeleton, key, path, entries, where), uri=where)
-    return path
-
-
-def _missing_key(
-    skeleton: Any, key: str, found: list[str], entries: dict[str, Any] | None, where: str
-) -> str:
-    top = _entries(skeleton)
-    if top is None:
-        return f"{where}: the saved state is not a dict, so it has no key {key!r}"
-    message = f"{where}: the saved state has no key {key!r}"
-    if found:
-        inner = ".".join(found)
-        message += (
-            f" ({inner!r} holds no dict)"
-            if entries is None
-            else f" ({inner!r} holds keys {_some(entries)})"
-        )
-    return f"{message}; its top-level keys are {_some(top)}"
-
-
-def _some(keys: Iterable[str], limit: int = 20) -> str:
-    names = list(keys)
-    shown = ", ".join(repr(n) for n in names[:limit])
-    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
-    return f"[{shown}{more}]"
-
-
-def _selected_parts(node: Any, selection: _Selection) -> Iterator[Any]:
-    """The encoded values a selection takes whole."""
-    entries = _entries(node) or {}
-    for name, within in selection.items():
-        if within is None:
-            yield entries[name]
-        else:
-            yield from _selected_parts(entries[name], within)
-
-
-def _shards_of(parts: Iterable[Any], shard_of: Mapping[str, str]) -> tuple[str, ...]:
-    """The shards holding the tensors of encoded ``parts``, sorted; a tensor the skeleton
-    does not place is left to the decoder to report."""
-    names = (name for part in parts for name in _tensor_names(part))
-    return tuple(sorted({shard_of[n] for n in names if n in shard_of}))
-
-
-def _tensor_names(node: Any) -> Iterator[Any]:
-    if isinstance(node, list):
-        for item in node:
-            yield from _tensor_names(item)
-    elif isinstance(node, dict):
-        if len(node) == 1 and "$tensor" in node:
-            yield node["$tensor"]
-        else:
-            for value in node.values():
-                yield from _tensor_names(value)
-
-
 @dataclass
 class _Decoder:
     tensors: dict[str, torch.Tensor]
@@ -520,10 +402,10 @@ class _Decoder:
                 return self._tagged(tag, inner)
         return {k: self.decode(v) for k, v in value.items()}
 
-    def select(self, value: Any, selection: _Selection) -> dict[Any, Any]:
+    def select(self, value: Any, selection: Selection) -> dict[Any, Any]:
         """The selected parts of an encoded dict, in the state's order."""
         result = {}
-        for name, inner in (_entries(value) or {}).items():
+        for name, inner in (dict_entries(value) or {}).items():
             if name in selection:
                 within = selection[name]
                 result[name] = self.decode(inner) if within is None else self.select(inner, within)
