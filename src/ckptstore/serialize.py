@@ -16,10 +16,10 @@ the risk can pass ``allow_pickle=True`` to keep such objects in a separate pickl
 ``load`` then refuses to read unless it is given ``allow_pickle=True`` as well.
 
 A load may select parts of a dict state by dotted paths (``keys=["model", "optim.state"]``,
-resolved by state_selection.py): only the shards holding the selected tensors are read, and the pickle file only if a selected
-part holds pickled objects. For a dict state, :attr:`EncodedState.files_by_key` says which shards
-hold each top-level key's tensors, for the manifest, so a loader can fetch them alongside the
-skeleton instead of after it.
+resolved by state_selection.py): only the shards holding the selected tensors are read, and the
+pickle file only if a selected part holds pickled objects. For a dict state,
+:attr:`EncodedState.files_by_key` says which shards hold each top-level key's tensors, for the
+manifest, so a loader can fetch them alongside the skeleton instead of after it.
 """
 
 from __future__ import annotations
