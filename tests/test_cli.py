@@ -172,7 +172,8 @@ def test_ls_table_and_json(store: str) -> None:
     out = ok("ls", store)
     rows = out.splitlines()
     assert rows[0].split()[:4] == ["STEP", "TIME", "(UTC)", "SIZE"]
-    assert [r.split()[0] for r in rows[1:]] == ["10", "20", "30"]
+    assert [r.split()[0] for r in rows[1:4]] == ["10", "20", "30"]
+    assert rows[4].startswith("total: 3 steps, ") and len(rows) == 5
     assert "latest" in rows[3] and "latest" not in rows[1]
     assert "loss=0.1" in rows[1]
 
@@ -290,6 +291,102 @@ def test_gc_removes_only_old_uncommitted_files(store: str) -> None:
     assert not (attempt / "half-written.bin").exists()
     assert foreign.exists()  # not ckptstore's: reported, never deleted
     assert committed(store) == [10, 20, 30]
+
+
+# -- retention by metric and time, ls --sort/--last ------------------------------------------
+
+BEST2 = ("--keep-best", "2", "--best-metric", "val_loss", "--best-mode", "min")
+
+
+@pytest.fixture
+def scored(tmp_path: Path) -> str:
+    """Steps 1-6 with a val_loss in their metadata (none for 4); 6, the latest, is the worst."""
+    uri = str(tmp_path / "scored")
+    with CheckpointStore(uri) as s:
+        for step, loss in [(1, 0.5), (2, 0.2), (3, 0.9), (4, None), (5, 0.1), (6, 0.95)]:
+            meta = {} if loss is None else {"val_loss": loss}
+            s.save(step, {"w": torch.full((16 * step,), float(step))}, meta)
+    return uri
+
+
+def test_prune_keeps_the_best_by_a_metric_and_one_step_per_interval(scored: str) -> None:
+    doc = data("prune", scored, *BEST2, "--dry-run")
+    assert doc["deleted"] == [1, 3] and doc["kept"] == [2, 4, 5, 6]  # 4: no val_loss, kept
+    # the saves took seconds: one step per hour keeps the oldest (and latest, always)
+    doc = data("prune", scored, "--keep-every-seconds", "3600", "--dry-run")
+    assert doc["deleted"] == [2, 3, 4, 5]
+    doc = data("prune", scored, "--keep-every-seconds", "3600", "--keep-last", "3", "--dry-run")
+    assert doc["deleted"] == [2, 3]
+    assert committed(scored) == [1, 2, 3, 4, 5, 6]
+
+    assert data("prune", scored, *BEST2)["deleted"] == [1, 3]
+    assert committed(scored) == [2, 4, 5, 6]
+    ok("pin", scored, "5")
+    max_mode = ("--keep-best", "1", "--best-metric", "val_loss", "--best-mode", "max")
+    doc = data("prune", scored, *max_mode)
+    assert doc["deleted"] == [2] and doc["kept"] == [4, 5, 6]  # 6 is the best; 5 is pinned
+
+
+def test_retention_option_errors_exit_2(scored: str) -> None:
+    cases = [
+        (["prune", scored, "--keep-best", "2"], "keep_best needs best_metric"),
+        (["prune", scored, "--keep-best", "2", "--best-metric", "val_loss"], "best_mode"),
+        (["prune", scored, "--best-metric", "val_loss"], "only apply with keep_best"),
+        (["ls", scored, "--keep-best", "1"], "keep_best needs best_metric"),
+        ([*("prune", scored), *BEST2[:4], "--best-mode", "avg"], "'avg' is not one of"),
+        (["prune", scored, "--keep-every-seconds", "0"], "--keep-every-seconds"),
+        (["prune", scored, "--keep-best", "0"], "--keep-best"),
+        (["ls", scored, "--last", "0"], "--last"),
+    ]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: ckpt(*case[0]), cases))
+    for (args, needle), done in zip(cases, results, strict=True):
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert done.stdout == "" and needle in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr
+    assert committed(scored) == [1, 2, 3, 4, 5, 6]
+
+
+def test_ls_sorts_by_a_metric_shows_the_newest_and_a_total(scored: str) -> None:
+    def steps(doc: dict[str, Any]) -> list[int]:
+        return [s["step"] for s in doc["steps"]]
+
+    doc = data("ls", scored, "--sort", "val_loss")
+    assert steps(doc) == [5, 2, 1, 3, 6, 4]  # 4 has no val_loss: last
+    sizes = [s["size"] for s in doc["steps"]]
+    assert doc["total"] == {"steps": 6, "size": sum(sizes)}
+    assert steps(data("ls", scored, "--sort", "val_loss", "--reverse")) == [6, 3, 1, 2, 5, 4]
+    assert steps(data("ls", scored, "--sort", "no_such_key")) == [1, 2, 3, 4, 5, 6]
+    assert steps(data("ls", scored, "--reverse")) == [6, 5, 4, 3, 2, 1]
+    doc = data("ls", scored, "--last", "3")
+    assert steps(doc) == [4, 5, 6] and doc["total"]["steps"] == 6  # the total is the store's
+    assert steps(data("ls", scored, "--last", "3", "--sort", "val_loss")) == [5, 6, 4]
+
+    rows = ok("ls", scored, "--last", "2").splitlines()
+    assert [r.split()[0] for r in rows[1:3]] == ["5", "6"] and len(rows) == 4
+    assert rows[3].startswith("total: 6 steps, ") and "(2 shown, " in rows[3]
+
+
+def test_ls_marks_what_prune_would_delete_and_deletes_nothing(scored: str) -> None:
+    doc = data("ls", scored, *BEST2)
+    assert doc["prune"] == [1, 3]
+    assert [s["step"] for s in doc["steps"] if s["prune"]] == [1, 3]
+    rows = ok("ls", scored, *BEST2).splitlines()
+    assert "PRUNE" in rows[0].split()
+    assert [r.split()[0] for r in rows[1:7] if " prune " in r] == ["1", "3"]
+    assert "prune would delete 2 steps" in rows[7]
+    assert committed(scored) == [1, 2, 3, 4, 5, 6]
+    plain = data("ls", scored)
+    assert "prune" not in plain and "prune" not in plain["steps"][0]
+    assert "PRUNE" not in ok("ls", scored).splitlines()[0]
+
+
+def test_push_applies_the_same_retention_options(tmp_path: Path, step_dir: Path) -> None:
+    uri = str(tmp_path / "pushed")
+    best1 = ("--keep-best", "1", "--best-metric", "val_loss", "--best-mode", "min")
+    for step, loss in [(1, "0.3"), (2, "0.1"), (3, "0.2")]:
+        ok("push", str(step_dir), uri, "--step", str(step), "-m", f"val_loss={loss}", *best1)
+    assert committed(uri) == [2, 3]
 
 
 # -- transfers -------------------------------------------------------------------------------

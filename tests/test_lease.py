@@ -170,6 +170,28 @@ def test_a_fenced_writer_cannot_move_latest_even_past_its_check(store_uri: Uri) 
     assert latest_step(replacement) == 1
 
 
+def test_a_takeover_keeps_the_step_a_killed_holder_committed_before_moving_latest(
+    store_uri: Uri,
+) -> None:
+    """The holder dies between its commit and moving ``latest``: that step was committed under
+    the lease, so the job that takes over resumes from it; ``latest`` never goes back."""
+    crashed = open_store(store_uri)
+    crashed.save(1, {"step": 1})
+
+    def killed(step: int, **_: Any) -> bool:
+        raise KeyboardInterrupt("killed before moving latest")
+
+    crashed._committer.advance_latest = killed  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        crashed.save(2, {"step": 2})
+    assert latest_step(open_store(store_uri, lease=False)) == 2  # by listing, before takeover
+    successor = open_store(store_uri, takeover=True)
+    assert successor.fenced_steps() == []
+    assert successor.load(with_info=True).step == 2
+    successor.save(3, {"step": 3})
+    assert latest_step(successor) == 3
+
+
 # -- releasing: close, exit, garbage collection ------------------------------------------------
 
 

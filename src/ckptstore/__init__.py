@@ -19,7 +19,15 @@ from ckptstore.errors import (
     UntrustedCheckpointError,
 )
 from ckptstore.info import CheckpointInfo, GcReport, Loaded, SaveStats, VerifyReport
-from ckptstore.retention import KeepEvery, KeepLast, RetentionPolicy
+from ckptstore.retention import (
+    KeepBest,
+    KeepEvery,
+    KeepEverySeconds,
+    KeepLast,
+    Policy,
+    RetentionPolicy,
+    StepRecord,
+)
 from ckptstore.store import CheckpointStore
 
 __all__ = [
@@ -36,15 +44,19 @@ __all__ = [
     "FencedError",
     "GcReport",
     "IncompleteCheckpointError",
+    "KeepBest",
     "KeepEvery",
+    "KeepEverySeconds",
     "KeepLast",
     "Loaded",
     "LeaseHeldError",
     "NotFoundError",
+    "Policy",
     "RetentionPolicy",
     "SaveHandle",
     "SaveStats",
     "SerializationError",
+    "StepRecord",
     "UnsafeLoadError",
     "UntrustedCheckpointError",
     "VerifyReport",

@@ -283,14 +283,20 @@ class Committer:
 
     def stamp_latest(self, epoch: int) -> None:
         """Stamp ``latest`` (same step) with a new lease epoch and a fence (pointer.py), so an
-        older holder can neither move it nor have a late step of its taken for latest."""
+        older holder can neither move it nor have a late step of its taken for latest.
+
+        The fence stands at the newest step committed now, found by listing, not at the
+        pointer's: an older holder killed between its commit and moving ``latest`` committed
+        that step while it held the lease, and fencing it would make ``latest`` go back.
+        """
+        newest = self._newest_committed()
 
         def decide(data: bytes | None) -> bytes | None:
             current = self._decode_pointer(data, "stamping it")
             if current is not None and current.epoch >= epoch:
                 return None
             base = current if current is not None else Pointer(None, self.writer, 0.0)
-            return base.stamped(self.writer, self.clock(), epoch).encode()
+            return base.stamped(self.writer, self.clock(), epoch, newest).encode()
 
         swap_loop(
             self.backend,
@@ -299,6 +305,12 @@ class Committer:
             what="stamp latest with a new lease epoch",
             sleep=self.sleep,
         )
+
+    def _newest_committed(self) -> int | None:
+        for step in reversed(self.catalog.step_dirs()):
+            if self.catalog.is_committed(step, fresh=True):
+                return step
+        return None
 
     def _decode_pointer(self, data: bytes | None, doing: str) -> Pointer | None:
         if data is None:

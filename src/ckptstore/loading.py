@@ -11,18 +11,25 @@ start without it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import hashlib
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 from ckptstore import layout
+from ckptstore.backends.base import join
+from ckptstore.backends.fsutil import move_into_place, unlink_quietly, write_temp
 from ckptstore.catalog import Catalog
+from ckptstore.checksum import Crc32c
 from ckptstore.errors import ConfigError, CorruptCheckpointError, NotFoundError
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry
 from ckptstore.payload import Progress
-from ckptstore.transfer import download_dir
+from ckptstore.transfer import ChunkReader, download_dir, path_filter, patterns
+from ckptstore.verified import check_digests, missing_file, size_mismatch
 
 READ_THREADS = 8
 
@@ -132,14 +139,94 @@ def read_all(catalog: Catalog, info: CheckpointInfo) -> dict[str, memoryview]:
 
 
 def download_step(
-    catalog: Catalog, info: CheckpointInfo, target: Path, progress: Progress | None
+    catalog: Catalog,
+    info: CheckpointInfo,
+    target: Path,
+    progress: Progress | None,
+    *,
+    force: bool = False,
+    delete: bool = False,
+    include: str | Sequence[str] = (),
+    exclude: str | Sequence[str] = (),
 ) -> None:
-    """Write a committed step's files under ``target`` with their names, each verified."""
+    """Write a committed step's files (those the filters take) under ``target`` with their
+    names, by :func:`~ckptstore.transfer.download_dir`'s rules (see ``CheckpointStore.pull_dir``).
 
-    def read(entry: FileEntry) -> memoryview:
-        data = catalog.read_verified(info.step, entry)
-        if progress:
-            progress(entry.size)
-        return data
+    Each file streams in ranged chunks (:class:`~ckptstore.transfer.ChunkReader`: peak memory
+    about ``CHUNK_SIZE * PULL_CONCURRENCY``) into a temp file while its size, CRC32C and
+    SHA-256 (where the manifest has one) are computed, and is renamed to its name only after
+    they matched the manifest: the checks and errors of :func:`~ckptstore.verified.check_file`.
+    One listing first checks every object's size, as ``read_all`` does.
+    """
+    takes = path_filter(include, exclude)
+    entries = [f for f in info.files if takes(f.path)]
+    if not entries:
+        raise ConfigError(
+            f"the filters (include {list(patterns(include))}, exclude {list(patterns(exclude))}) "
+            f"take none of the {len(info.files)} files of step {info.step} of {info.uri}; "
+            "nothing to pull. Patterns match each file's path in the step (ckptstore show "
+            "lists them)",
+            uri=info.uri,
+            step=info.step,
+        )
+    backend = catalog.backend
+    sizes = catalog.payload_sizes(info.step)
+    for entry in entries:  # a missing or resized file fails the pull before any download
+        path = entry.key(info.step)
+        actual = sizes.get(path)
+        if actual is None:
+            raise missing_file(join(backend.uri, path), path, info.step)
+        if actual != entry.size:
+            raise size_mismatch(join(backend.uri, path), actual, entry.size, info.step, path)
+    stop = threading.Event()
 
-    download_dir(info.files, target, read)
+    with ChunkReader(backend.read, stop=stop) as reader:
+
+        def fetch(entry: FileEntry, dest: Path) -> None:
+            path = entry.key(info.step)
+            where = join(backend.uri, path)
+            check = _StreamCheck(entry, where=where, step=info.step)
+            try:
+                with closing(reader.chunks(path, entry.size)) as chunks:
+                    tmp, _ = write_temp(dest, check.passing(chunks, progress))
+            except NotFoundError as e:  # deleted since the listing
+                raise missing_file(where, path, info.step) from e
+            try:
+                check.finish()
+            except BaseException:
+                unlink_quietly(tmp)
+                raise
+            move_into_place(tmp, dest)
+
+        download_dir(entries, target, fetch, force=force, delete=delete, selected=takes, stop=stop)
+
+
+class _StreamCheck:
+    """:func:`~ckptstore.verified.check_file`'s checks, with the same errors, on bytes that
+    stream past: size, CRC32C, and SHA-256 where the manifest has one."""
+
+    def __init__(self, entry: FileEntry, *, where: str, step: int) -> None:
+        self.entry, self.where, self.step = entry, where, step
+        self.crc = Crc32c()
+        self.sha = hashlib.sha256() if entry.sha256 is not None else None
+
+    def passing(
+        self, chunks: Iterable[memoryview], progress: Progress | None
+    ) -> Iterator[memoryview]:
+        """``chunks`` unchanged, each added to the checksums on its way, then reported to
+        ``progress`` once written."""
+        for chunk in chunks:
+            self.crc.update(chunk)
+            if self.sha is not None:
+                self.sha.update(chunk)
+            size = chunk.nbytes
+            yield chunk
+            if progress:
+                progress(size)
+
+    def finish(self) -> None:
+        """Raise CorruptCheckpointError unless what passed matches the manifest's entry."""
+        sha = self.sha.hexdigest() if self.sha is not None else None
+        check_digests(
+            self.entry, self.crc.size, self.crc.hexdigest(), sha, where=self.where, step=self.step
+        )

@@ -19,6 +19,7 @@ from ckptstore.catalog import Catalog
 from ckptstore.commit import Committer
 from ckptstore.errors import (
     CheckpointError,
+    CompatibilityError,
     ConfigError,
     ConflictError,
     CorruptCheckpointError,
@@ -26,10 +27,10 @@ from ckptstore.errors import (
     NotFoundError,
 )
 from ckptstore.info import CheckpointInfo, VerifyReport
-from ckptstore.manifest import FileEntry
+from ckptstore.manifest import FileEntry, Manifest
 from ckptstore.payload import Progress
 from ckptstore.removal import Remover
-from ckptstore.retention import RetentionPolicy, steps_to_delete
+from ckptstore.retention import RetentionPolicy, StepRecord, steps_to_delete
 
 log = logging.getLogger(__name__)
 
@@ -107,18 +108,29 @@ class Maintenance:
     def prune(self, dry_run: bool = False) -> list[int]:
         """Delete the committed steps the retention policy does not keep; returns them.
 
-        Costs one listing of step directories and one of pins, the pointer, the newest
-        ``keep_last`` manifests (remembered after the first time) and one manifest per step
-        deleted: not a read of every manifest in the store.
+        With only ``keep_last``/``keep_every`` this costs one listing of step directories and
+        one of pins, the pointer, the newest ``keep_last`` manifests (remembered after the
+        first time) and one manifest per step deleted: not a read of every manifest in the
+        store. Rules that judge a step's time or metadata (``keep_best``,
+        ``keep_every_seconds``, ``retention=`` policies) need every committed step's manifest:
+        those this process has read are remembered (catalog.py), so after the first prune a
+        save reads only its own step's, plus the steps counted by ``keep_last``/``keep_best``,
+        confirmed afresh.
         """
         if not self.retention.enabled:
             raise ConfigError(
                 f"{self.backend.uri}: no retention policy to prune by; open the store with "
-                "keep_last and/or keep_every (CLI: --keep-last N --keep-every K)",
+                "keep_last, keep_every, keep_best, keep_every_seconds and/or retention (CLI: "
+                "--keep-last N, --keep-every K, --keep-best K --best-metric NAME --best-mode "
+                "min|max, --keep-every-seconds T)",
                 uri=self.backend.uri,
             )
         pointer, _ = self.catalog.read_pointer()
-        steps = self.catalog.retention_view(self.retention.keep_last or 0)
+        steps: list[int] | list[StepRecord]
+        if self.retention.needs_records:
+            steps = self._records()
+        else:
+            steps = self.catalog.retention_view(self.retention.keep_last or 0)
         latest = pointer.step if pointer is not None else None
         if latest is not None and not self.catalog.is_committed(latest):
             latest = None
@@ -129,6 +141,42 @@ class Maintenance:
                 self.remover.uncommit(step)
                 log.info("retention deleted step %d from %s", step, self.backend.uri)
         return doomed
+
+    def _records(self) -> list[StepRecord]:
+        """A record (step, time, metadata) of every readable committed step, ascending.
+
+        Manifests come from the catalog's memory where it has them (one listing, a GET per
+        manifest not read before). The steps ``keep_last``/``keep_best`` count are read
+        afresh, as ``retention_view`` does for ``keep_last``: one another process removed (or
+        removed and saved again) since would otherwise push out a step that should stay. A
+        step whose manifest cannot be read gets no record, so retention never deletes it.
+        """
+        committed, broken = self.catalog.scan()
+        for step in broken:
+            log.debug("retention leaves step %d alone: its manifest is unreadable", step)
+        manifests = {m.step: m for m in committed}
+        confirmed: set[int] = set()
+        while True:
+            records = [record_of(manifests[step]) for step in sorted(manifests)]
+            todo = self.retention.counted(records) - confirmed
+            if not todo:
+                return records
+            for step in todo:  # each pass confirms new steps, so this ends
+                fresh = self._fresh_manifest(step)
+                if fresh is None:
+                    del manifests[step]
+                else:
+                    manifests[step] = fresh
+            confirmed |= todo
+
+    def _fresh_manifest(self, step: int) -> Manifest | None:
+        try:
+            return self.catalog.read_manifest(step)
+        except NotFoundError:
+            return None
+        except (CorruptCheckpointError, CompatibilityError) as e:
+            log.warning("step %d has an unreadable manifest: %s", step, e)
+            return None
 
     def retain_after_save(self) -> None:
         """Apply retention after a commit; a failure is logged, never undoes the commit."""
@@ -216,3 +264,8 @@ class Maintenance:
                 step=info.step,
             )
         return True
+
+
+def record_of(manifest: Manifest) -> StepRecord:
+    """What a retention policy sees of a committed step (retention.py stays free of I/O)."""
+    return StepRecord(manifest.step, manifest.created, manifest.metadata)

@@ -54,9 +54,14 @@ class Pointer:
         """This pointer moved to ``step`` by ``writer``; the fences stay."""
         return Pointer(step, writer, time, max(epoch, self.epoch), self.fences)
 
-    def stamped(self, writer: str, time: float, epoch: int) -> Pointer:
-        """This pointer, same step, stamped by a writer that just took the lease as ``epoch``."""
-        fence = Fence(epoch, self.step if self.step is not None else -1)
+    def stamped(
+        self, writer: str, time: float, epoch: int, committed: int | None = None
+    ) -> Pointer:
+        """This pointer, same step, stamped by a writer that just took the lease as ``epoch``;
+        its fence admits the steps of older epochs up to the pointer's step or ``committed``
+        (the newest step committed before the takeover), whichever is later."""
+        ahead = [s for s in (self.step, committed) if s is not None]
+        fence = Fence(epoch, max(ahead, default=-1))
         fences = (*self.fences, fence)[-MAX_FENCES:]
         return Pointer(self.step, writer, time, epoch, fences)
 

@@ -35,10 +35,10 @@ from ckptstore.maintenance import Maintenance
 from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry, check_metadata
 from ckptstore.observer import SaveObserver
 from ckptstore.payload import Progress, SourceFile, file_reader
-from ckptstore.retention import RetentionPolicy
+from ckptstore.retention import Policy, RetentionPolicy, as_policies
 from ckptstore.saving import StepWriter
 from ckptstore.signing import Signer
-from ckptstore.transfer import scan_dir
+from ckptstore.transfer import check_target, scan_dir
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,11 @@ class CheckpointStore:
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] | None = None,
+        keep_every_seconds: float | None = None,
+        retention: Policy | Sequence[Policy] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         compat: str = "warn",
         shard_size: int = layout.DEFAULT_SHARD_SIZE,
@@ -64,7 +69,39 @@ class CheckpointStore:
         clock: Callable[[], float] = time.time,
         observer: SaveObserver | None = None,
     ) -> None:
-        self.retention = RetentionPolicy(keep_last, keep_every)
+        """Open the store at ``uri``; nothing is written until the first save.
+
+        Retention runs after each committed save and on ``prune()``. Its rules compose by
+        union (a step is kept if any rule keeps it), and whatever they answer, ``latest``, a
+        pinned step and any step newer than ``latest`` are never deleted. No rule at all keeps
+        every step. A bad rule raises ConfigError here, not at the first save.
+
+        - ``keep_last=N``: the N newest steps.
+        - ``keep_every=K``: every step that is a multiple of K (milestones).
+        - ``keep_best=K, best_metric="val_loss", best_mode="min"``: the K best steps by a
+          number saved in their metadata (``save(step, state, metadata={"val_loss": 0.3})``);
+          ``best_mode`` is ``"min"`` (lower is better) or ``"max"``, and required. Ties go to
+          the newer step. Steps without a usable value (missing, not a number, NaN) are never
+          among the best and are kept, like orbax's ``keep_checkpoints_without_metrics``.
+        - ``keep_every_seconds=T``: one step per T seconds of commit time, like orbax's
+          ``keep_time_interval``.
+        - ``retention=``: a policy of your own, or a list of them: anything with
+          ``keep(steps: list[StepRecord]) -> set[int]`` (retention.py), given each committed
+          step's number, commit time and metadata.
+
+        ``keep_last``/``keep_every`` alone read only the newest ``keep_last`` manifests per
+        prune; the other rules need every step's manifest, read once per process and then
+        remembered (README, "Request costs").
+        """
+        self.retention = RetentionPolicy(
+            keep_last,
+            keep_every,
+            keep_best=keep_best,
+            best_metric=best_metric,
+            best_mode=best_mode,
+            keep_every_seconds=keep_every_seconds,
+            custom=as_policies(retention),
+        )
         self.compat = check_mode(compat)
         check_ttl(lease_ttl)  # also without a lease: a typo should not wait for lease=True
         self.backend = backend if backend is not None else open_backend(uri, storage_options)
@@ -335,11 +372,58 @@ class CheckpointStore:
         *,
         fallback: bool = True,
         progress: Progress | None = None,
+        force: bool = False,
+        delete: bool = False,
+        include: str | Sequence[str] = (),
+        exclude: str | Sequence[str] = (),
     ) -> CheckpointInfo:
-        """Download a committed step's files into ``local_dir``, verified; returns its info."""
+        """Download a committed step's files into ``local_dir``, every byte verified; returns
+        the step's info (all its files, also when filters took fewer).
+
+        ``local_dir`` must be new or an empty directory, else ConfigError (before any read).
+        The files stream into a temporary directory beside it (``.ckpt-tmp-<random>-pull-
+        <name>``), which becomes ``local_dir`` in one rename once every file is there and
+        verified: ``local_dir`` holds the whole step or does not exist. A failed or
+        interrupted pull removes the temporary directory; a killed process leaves it behind.
+
+        - ``force=True``: also into a non-empty ``local_dir``, merging: the step's files
+          overwrite those of the same name, every other file stays.
+        - ``delete=True`` (implies ``force``): replacing, like ``aws s3 sync --delete``:
+          afterwards ``local_dir`` holds exactly the step's files; files the step lacks are
+          removed (except those the filters exclude), and folders that leaves empty.
+
+        Into a non-empty ``local_dir`` nothing changes until the whole step is downloaded
+        and verified; then the files are renamed in one by one.
+
+        ``include``/``exclude``: glob patterns on each file's path in the step, with the aws
+        CLI's rules (:func:`~ckptstore.transfer.path_filter`): every file is taken unless an
+        ``exclude`` matches it, and an ``include`` takes it back (excludes first, then
+        includes); ``*`` also matches ``/``. ``exclude="*", include="actor/*"`` pulls only
+        ``actor/``; ``include`` alone changes nothing. Such a pull is partial: nothing in
+        ``local_dir`` marks it, and it is not a checkpoint a trainer can resume from.
+
+        Each file is read in ranged chunks (``transfer.CHUNK_SIZE``, 8 MiB: one ranged GET on
+        S3), at most ``transfer.PULL_CONCURRENCY`` (8) held at once, so peak memory is about
+        64 MiB whatever the size of the files; size, CRC32C and SHA-256 (where the manifest
+        has one) are computed as the bytes pass, and a mismatch raises CorruptCheckpointError
+        before the file leaves the temporary directory. With ``fallback`` (and no ``step``),
+        a latest step that fails verification is skipped for the newest older one that
+        passes, as in ``load``.
+        """
+        target = Path(local_dir)
+        check_target(target, force=force or delete)  # before any read
 
         def pull(info: CheckpointInfo) -> None:
-            download_step(self._catalog, info, Path(local_dir), progress)
+            download_step(
+                self._catalog,
+                info,
+                target,
+                progress,
+                force=force,
+                delete=delete,
+                include=include,
+                exclude=exclude,
+            )
 
         return self._catalog.resolve(step, fallback, pull)[0]
 

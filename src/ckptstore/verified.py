@@ -34,17 +34,17 @@ def read_verified(
     if actual_size is None and entry.size > STAT_BEFORE_READ:
         found = backend.stat(path)
         if found is None:
-            raise _missing(where, path, step)
+            raise missing_file(where, path, step)
         actual_size = found.size
     if actual_size is not None and actual_size != entry.size:
-        raise _size_mismatch(where, actual_size, entry.size, step, path)
+        raise size_mismatch(where, actual_size, entry.size, step, path)
     data = _unfilled_buffer(entry.size)
     try:
         size = backend.read_into(path, data)
     except NotFoundError as e:
-        raise _missing(where, path, step) from e
+        raise missing_file(where, path, step) from e
     if size != entry.size:
-        raise _size_mismatch(where, size, entry.size, step, path)
+        raise size_mismatch(where, size, entry.size, step, path)
     check_file(data, entry, where=where, step=step)
     return data
 
@@ -52,30 +52,36 @@ def read_verified(
 def check_file(data: Chunk, entry: FileEntry, *, where: str, step: int) -> None:
     """Raise CorruptCheckpointError naming the file and step unless the bytes match the entry:
     size, CRC32C, and SHA-256 where the manifest has one (signed stores always do)."""
-    path = entry.key(step)
-    if len(data) != entry.size:
-        raise _size_mismatch(where, len(data), entry.size, step, path)
     crc = Crc32c()
     crc.update(data)
-    if crc.hexdigest() != entry.crc32c:
+    sha = hashlib.sha256(data).hexdigest() if entry.sha256 is not None else None
+    check_digests(entry, len(data), crc.hexdigest(), sha, where=where, step=step)
+
+
+def check_digests(
+    entry: FileEntry, size: int, crc32c: str, sha256: str | None, *, where: str, step: int
+) -> None:
+    """:func:`check_file` on digests already computed (a download that streamed past)."""
+    path = entry.key(step)
+    if size != entry.size:
+        raise size_mismatch(where, size, entry.size, step, path)
+    if crc32c != entry.crc32c:
         raise CorruptCheckpointError(
-            f"{where}: checksum mismatch (crc32c {crc.hexdigest()}, manifest of step {step} "
+            f"{where}: checksum mismatch (crc32c {crc32c}, manifest of step {step} "
             f"says {entry.crc32c}); the bytes are corrupt. Load an earlier step",
             uri=where,
             step=step,
             path=path,
         )
-    if entry.sha256 is not None:
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != entry.sha256:
-            raise CorruptCheckpointError(
-                f"{where}: SHA-256 mismatch (the CRC32C matches, so the bytes were changed on "
-                f"purpose: the manifest of step {step} says sha256 {entry.sha256}, the file has "
-                f"{digest}). Refusing it; load an earlier step",
-                uri=where,
-                step=step,
-                path=path,
-            )
+    if entry.sha256 is not None and sha256 != entry.sha256:
+        raise CorruptCheckpointError(
+            f"{where}: SHA-256 mismatch (the CRC32C matches, so the bytes were changed on "
+            f"purpose: the manifest of step {step} says sha256 {entry.sha256}, the file has "
+            f"{sha256}). Refusing it; load an earlier step",
+            uri=where,
+            step=step,
+            path=path,
+        )
 
 
 def payload_sizes(backend: Backend, step: int) -> dict[str, int]:
@@ -83,7 +89,7 @@ def payload_sizes(backend: Backend, step: int) -> dict[str, int]:
     return {o.path: o.size for o in backend.list(layout.step_dir(step) + "/")}
 
 
-def _missing(where: str, path: str, step: int) -> IncompleteCheckpointError:
+def missing_file(where: str, path: str, step: int) -> IncompleteCheckpointError:
     return IncompleteCheckpointError(
         f"{where} is missing, but the manifest of step {step} lists it; "
         "the step is incomplete. Load an earlier step",
@@ -93,7 +99,7 @@ def _missing(where: str, path: str, step: int) -> IncompleteCheckpointError:
     )
 
 
-def _size_mismatch(
+def size_mismatch(
     where: str, size: int, expected: int, step: int, path: str
 ) -> CorruptCheckpointError:
     return CorruptCheckpointError(

@@ -7,6 +7,7 @@ Each is a thin face over one :class:`~ckptstore.store.CheckpointStore` method; t
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
@@ -19,6 +20,8 @@ from ckptstore.cli.common import (
     empty_store,
     latest_step,
     open_store,
+    retention_of,
+    retention_options,
     settings_of,
     step_list,
 )
@@ -28,8 +31,10 @@ from ckptstore.cli.format import (
     format_value,
     human_size,
     iso_time,
+    order_steps,
     step_record,
     steps_table,
+    total_line,
 )
 from ckptstore.info import CheckpointInfo
 
@@ -38,25 +43,54 @@ from ckptstore.info import CheckpointInfo
 
 @click.command("ls")
 @click.argument("uri")
+@click.option(
+    "--sort",
+    "sort_by",
+    metavar="METRIC",
+    help="Order by a number in the steps' metadata, lowest first; steps without it last.",
+)
+@click.option("--reverse", is_flag=True, help="Highest first with --sort; newest first without.")
+@click.option("--last", type=COUNT, metavar="N", help="Only the N newest steps.")
+@retention_options
 @common_options
 @click.pass_context
-def ls_command(ctx: click.Context, uri: str) -> None:
-    """List the committed steps of URI (exit 3 if there are none)."""
-    store = open_store(ctx, uri)
-    infos = store.list()
-    latest = latest_step(store) if infos else None
+def ls_command(
+    ctx: click.Context, uri: str, sort_by: str | None, reverse: bool, last: int | None
+) -> None:
+    """List the committed steps of URI (exit 3 if there are none).
+
+    With retention options, mark the steps that prune with the same options would delete.
+    """
+    retention = retention_of(ctx)
+    store = open_store(ctx, uri, retention=retention)
+    every = store.list()
+    latest = latest_step(store) if every else None
     pins = store.pins()
-    fenced = store.fenced_steps(infos)
-    data = {
+    fenced = store.fenced_steps(every)
+    prune = store.prune(dry_run=True) if retention.given and every else None
+    infos = order_steps(every[-last:] if last is not None else every, sort_by, reverse=reverse)
+    records = [step_record(i, latest=latest, pins=pins, fenced=fenced, prune=prune) for i in infos]
+    data: dict[str, Any] = {
         "uri": store.uri,
         "latest": latest,
-        "steps": [step_record(i, latest=latest, pins=pins, fenced=fenced) for i in infos],
+        "steps": records,
+        "total": {"steps": len(every), "size": sum(i.size for i in every)},
     }
-    if not infos:
+    if prune is not None:
+        data["prune"] = prune
+    if not every:
         if settings_of(ctx).as_json:
             emit(ctx, data, "")
         raise empty_store(store)
-    emit(ctx, data, lambda: steps_table(infos, latest=latest, pins=pins, fenced=fenced))
+    emit(
+        ctx,
+        data,
+        lambda: (
+            steps_table(infos, latest=latest, pins=pins, fenced=fenced, prune=prune)
+            + "\n"
+            + total_line(infos, every, prune)
+        ),
+    )
 
 
 @click.command("show")
@@ -142,16 +176,14 @@ def verify_command(ctx: click.Context, uri: str, step: int | None, all_steps: bo
 
 @click.command("prune")
 @click.argument("uri")
-@click.option("--keep-last", type=COUNT, help="Keep the N newest steps.")
-@click.option("--keep-every", type=COUNT, help="Also keep every step that is a multiple of K.")
+@retention_options
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
 @common_options
 @click.pass_context
-def prune_command(
-    ctx: click.Context, uri: str, keep_last: int | None, keep_every: int | None, dry_run: bool
-) -> None:
-    """Delete the steps retention does not keep (never latest, pinned, or newer than latest)."""
-    store = open_store(ctx, uri, keep_last=keep_last, keep_every=keep_every)
+def prune_command(ctx: click.Context, uri: str, dry_run: bool) -> None:
+    """Delete the steps no retention option keeps (a step is kept if any option keeps it;
+    never latest, pinned, or newer than latest)."""
+    store = open_store(ctx, uri, retention=retention_of(ctx))
     doomed = store.prune(dry_run=dry_run)
     kept = [i.step for i in store.list() if i.step not in doomed]
     data = {"uri": store.uri, "dry_run": dry_run, "deleted": doomed, "kept": kept}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import click
@@ -20,6 +20,7 @@ import click
 from ckptstore.backends.registry import scheme_of
 from ckptstore.compat import COMPAT_MODES
 from ckptstore.errors import NotFoundError
+from ckptstore.retention import BEST_MODES
 from ckptstore.store import CheckpointStore
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -144,12 +145,76 @@ def common_options(f: F) -> F:
     return f
 
 
+@dataclass
+class Retention:
+    """The retention options of a command (``retention_options``), as the store takes them."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: str | None = None
+    keep_every_seconds: float | None = None
+
+    @property
+    def given(self) -> bool:
+        return any(value is not None for value in asdict(self).values())
+
+
+def retention_of(ctx: click.Context) -> Retention:
+    retention: Retention = ctx.meta.setdefault("ckptstore.retention", Retention())
+    return retention
+
+
+def _on_retention(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    if value is not None and param.name is not None:
+        setattr(retention_of(ctx), param.name, value)
+
+
+def retention_options(f: F) -> F:
+    """The retention rules, for the commands that apply them (prune, push, cp) or show what
+    they would delete (ls); read them with ``retention_of``. The store checks them
+    (--keep-best needs --best-metric and --best-mode) and answers a ConfigError (exit 2)."""
+    specs: list[tuple[str, Any, str | None, str]] = [
+        ("--keep-last", COUNT, "N", "keep the N newest steps."),
+        ("--keep-every", COUNT, "K", "keep every step that is a multiple of K."),
+        (
+            "--keep-best",
+            COUNT,
+            "K",
+            "keep the K best steps by --best-metric (steps without a number for it are kept).",
+        ),
+        ("--best-metric", str, "NAME", "the metadata key that ranks steps, e.g. val_loss."),
+        (
+            "--best-mode",
+            click.Choice(BEST_MODES),
+            None,
+            "min if lower is better (a loss), max if higher is (an accuracy).",
+        ),
+        (
+            "--keep-every-seconds",
+            click.FloatRange(min=0, min_open=True),
+            "T",
+            "keep one step per T seconds of commit time.",
+        ),
+    ]
+    for name, kind, metavar, text in reversed(specs):
+        f = click.option(
+            name,
+            type=kind,
+            metavar=metavar,
+            expose_value=False,
+            callback=_on_retention,
+            help=f"Retention: {text}",
+        )(f)
+    return f
+
+
 def open_store(
     ctx: click.Context,
     uri: str,
     *,
-    keep_last: int | None = None,
-    keep_every: int | None = None,
+    retention: Retention | None = None,
     options: dict[str, Any] | None = None,
     takeover: bool = False,
 ) -> CheckpointStore:
@@ -161,8 +226,7 @@ def open_store(
         options = {}
     store = CheckpointStore(
         uri,
-        keep_last=keep_last,
-        keep_every=keep_every,
+        **asdict(retention if retention is not None else Retention()),
         storage_options=options,
         compat=settings.compat,
         takeover=takeover,

@@ -15,6 +15,7 @@ from typing import Any
 
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import Environment
+from ckptstore.retention import metric_value
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _MAX_METADATA_WIDTH = 60
@@ -91,9 +92,11 @@ def step_record(
     latest: int | None,
     pins: Collection[int],
     fenced: Collection[int] = (),
+    prune: Collection[int] | None = None,
 ) -> dict[str, Any]:
-    """One committed step as a JSON-ready dict (the row of ``ls --json``)."""
-    return {
+    """One committed step as a JSON-ready dict (the row of ``ls --json``); ``prune``, the
+    steps retention would delete, adds whether this is one of them."""
+    record = {
         "step": info.step,
         "uri": info.uri,
         "time": iso_time(info.time),
@@ -106,6 +109,9 @@ def step_record(
         "fenced": info.step in fenced,
         "metadata": dict(info.metadata),
     }
+    if prune is not None:
+        record["prune"] = info.step in prune
+    return record
 
 
 def steps_table(
@@ -114,26 +120,64 @@ def steps_table(
     latest: int | None,
     pins: Collection[int],
     fenced: Collection[int] = (),
+    prune: Collection[int] | None = None,
     indent: str = "",
 ) -> str:
-    """The human view of ``ls``: one row per committed step, ascending. A step that a writer
-    committed after losing the lease is marked ``fenced``: it is never loaded as latest."""
+    """The human view of ``ls``: one row per committed step, in the order given. A step that a
+    writer committed after losing the lease is marked ``fenced``: it is never loaded as latest.
+    With ``prune`` (the steps retention would delete) a PRUNE column marks them."""
     rows = []
     for info in infos:
-        record = step_record(info, latest=latest, pins=pins, fenced=fenced)
-        rows.append(
-            [
-                record["step"],
-                record["time"],
-                human_size(record["size"]),
-                record["files"],
-                "pinned" if record["pinned"] else "",
-                "latest" if record["latest"] else "fenced" if record["fenced"] else "",
-                metadata_summary(record["metadata"]),
-            ]
-        )
-    headers = ["STEP", "TIME (UTC)", "SIZE", "FILES", "PINNED", "LATEST", "METADATA"]
+        record = step_record(info, latest=latest, pins=pins, fenced=fenced, prune=prune)
+        row = [
+            record["step"],
+            record["time"],
+            human_size(record["size"]),
+            record["files"],
+            "pinned" if record["pinned"] else "",
+            "latest" if record["latest"] else "fenced" if record["fenced"] else "",
+        ]
+        if prune is not None:
+            row.append("prune" if record["prune"] else "")
+        rows.append([*row, metadata_summary(record["metadata"])])
+    headers = ["STEP", "TIME (UTC)", "SIZE", "FILES", "PINNED", "LATEST"]
+    headers += ["PRUNE", "METADATA"] if prune is not None else ["METADATA"]
     return format_table(headers, rows, indent)
+
+
+def order_steps(
+    infos: Sequence[CheckpointInfo], metric: str | None, *, reverse: bool = False
+) -> list[CheckpointInfo]:
+    """Steps by ``metric``, a number in their metadata, lowest first (``reverse``: highest
+    first), ties by step; steps without a number for it last, by step. Without ``metric``:
+    by step (``reverse``: newest first)."""
+    by_step = sorted(infos, key=lambda i: i.step)
+    if metric is None:
+        return by_step[::-1] if reverse else by_step
+    scored = [(v, i) for i in by_step if (v := metric_value(i.metadata, metric)) is not None]
+    scored.sort(key=lambda pair: pair[0], reverse=reverse)  # stable: ties stay by step
+    unscored = [i for i in by_step if metric_value(i.metadata, metric) is None]
+    return [i for _, i in scored] + unscored
+
+
+def total_line(
+    shown: Sequence[CheckpointInfo],
+    every: Sequence[CheckpointInfo],
+    prune: Collection[int] | None = None,
+) -> str:
+    """The line under ``ls``'s table: the store's steps and bytes (and those shown, when fewer,
+    and what retention would free)."""
+    line = f"total: {_count(len(every))}, {human_size(sum(i.size for i in every))}"
+    if len(shown) < len(every):
+        line += f" ({len(shown)} shown, {human_size(sum(i.size for i in shown))})"
+    if prune is not None:
+        freed = sum(i.size for i in every if i.step in prune)
+        line += f"; prune would delete {_count(len(prune))}, {human_size(freed)}"
+    return line
+
+
+def _count(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 def versions_table(infos: Sequence[CheckpointInfo], indent: str = "") -> str:

@@ -18,13 +18,14 @@ from typing import Any, TypeVar
 import click
 
 from ckptstore.cli.common import (
-    COUNT,
     STEP,
     common_options,
     emit,
     empty_store,
     open_store,
     parse_pair,
+    retention_of,
+    retention_options,
     settings_of,
     step_list,
 )
@@ -32,7 +33,7 @@ from ckptstore.cli.format import human_size, step_record
 from ckptstore.errors import NotFoundError
 from ckptstore.payload import Progress
 from ckptstore.store import CheckpointStore
-from ckptstore.transfer import scan_dir
+from ckptstore.transfer import path_filter, scan_dir
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -80,8 +81,7 @@ def _writer_options(f: F) -> F:
         help="Take the store's writer lease even if another writer holds it (only when that "
         "job is known to be dead: it will be fenced).",
     )(f)
-    f = click.option("--keep-every", type=COUNT, help="Retention: also keep multiples of K.")(f)
-    return click.option("--keep-last", type=COUNT, help="Retention: keep the N newest steps.")(f)
+    return retention_options(f)
 
 
 @click.command("push")
@@ -106,15 +106,13 @@ def push_command(
     uri: str,
     step: int,
     metadata_pairs: Sequence[str],
-    keep_last: int | None,
-    keep_every: int | None,
     takeover: bool,
     progress: bool | None,
 ) -> None:
     """Commit the files under LOCAL_DIR (e.g. verl's global_step_N) as STEP of URI."""
     metadata = dict(parse_pair(p, "--metadata") for p in metadata_pairs)
     total = sum(path.stat().st_size for _, path in scan_dir(local_dir))
-    store = open_store(ctx, uri, keep_last=keep_last, keep_every=keep_every, takeover=takeover)
+    store = open_store(ctx, uri, retention=retention_of(ctx), takeover=takeover)
     started = time.perf_counter()
     with _bar(total, f"push step {step}", progress) as update:
         info = store.push_dir(step, local_dir, metadata, progress=update)
@@ -133,34 +131,88 @@ def push_command(
 @click.argument("uri")
 @click.argument("local_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--step", type=STEP, help="The step to fetch (default: latest good step).")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Pull into a non-empty LOCAL_DIR: overwrite the step's files there, keep all others.",
+)
+@click.option(
+    "--delete",
+    is_flag=True,
+    help="Make LOCAL_DIR an exact copy of the step: also remove the files there that the step "
+    "lacks (not those --exclude leaves out). Implies --force.",
+)
+@click.option(
+    "--exclude",
+    multiple=True,
+    metavar="GLOB",
+    help="Leave out the files whose path in the step matches ('*' also matches '/'; "
+    "repeatable). The pull is then partial.",
+)
+@click.option(
+    "--include",
+    multiple=True,
+    metavar="GLOB",
+    help="Take back files an --exclude left out (repeatable). Excludes apply first, then "
+    "includes, whatever their order here: --exclude '*' --include 'actor/*' pulls only actor/.",
+)
 @_progress_option
 @common_options
 @click.pass_context
 def pull_command(
-    ctx: click.Context, uri: str, local_dir: Path, step: int | None, progress: bool | None
+    ctx: click.Context,
+    uri: str,
+    local_dir: Path,
+    step: int | None,
+    force: bool,
+    delete: bool,
+    exclude: Sequence[str],
+    include: Sequence[str],
+    progress: bool | None,
 ) -> None:
-    """Download a committed step's files into LOCAL_DIR, every byte verified."""
+    """Download a committed step's files into LOCAL_DIR, every byte verified.
+
+    LOCAL_DIR must be new or empty (else --force or --delete); it appears only once the whole
+    step is downloaded and verified.
+    """
     store = open_store(ctx, uri)
     expected = store.info(step) if step is not None else store.latest()
     if expected is None:
         raise empty_store(store)
+    takes = path_filter(include, exclude)
+    total = sum(f.size for f in expected.files if takes(f.path))
     started = time.perf_counter()
-    with _bar(expected.size, f"pull step {expected.step}", progress) as update:
-        info = store.pull_dir(local_dir, step, progress=update)
+    with _bar(total, f"pull step {expected.step}", progress) as update:
+        info = store.pull_dir(
+            local_dir,
+            step,
+            progress=update,
+            force=force,
+            delete=delete,
+            include=include,
+            exclude=exclude,
+        )
     seconds = time.perf_counter() - started
+    pulled = [f for f in info.files if takes(f.path)]
+    size = sum(f.size for f in pulled)
+    partial = len(pulled) < len(info.files)
     data = {
         "uri": info.uri,
         "step": info.step,
         "local_dir": str(local_dir),
-        "files": len(info.files),
-        "size": info.size,
+        "files": len(pulled),
+        "size": size,
+        "partial": partial,
         "seconds": round(seconds, 3),
     }
+    what = f"{len(pulled)} files"
+    if partial:
+        what = f"{len(pulled)} of {len(info.files)} files (partial: --include/--exclude)"
     emit(
         ctx,
         data,
-        f"pulled step {info.step} from {store.uri} into {local_dir}: {len(info.files)} files, "
-        f"{human_size(info.size)} in {seconds:.2f} s",
+        f"pulled step {info.step} from {store.uri} into {local_dir}: {what}, "
+        f"{human_size(size)} in {seconds:.2f} s",
     )
 
 
@@ -186,8 +238,6 @@ def cp_command(
     steps: Sequence[int],
     dst_storage_option: Sequence[str],
     dst_endpoint_url: str | None,
-    keep_last: int | None,
-    keep_every: int | None,
     takeover: bool,
     progress: bool | None,
 ) -> None:
@@ -200,8 +250,7 @@ def cp_command(
     dst = open_store(
         ctx,
         dst_uri,
-        keep_last=keep_last,
-        keep_every=keep_every,
+        retention=retention_of(ctx),
         options=dst_options,
         takeover=takeover,
     )
