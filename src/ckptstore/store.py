@@ -71,27 +71,10 @@ class CheckpointStore:
     ) -> None:
         """Open the store at ``uri``; nothing is written until the first save.
 
-        Retention runs after each committed save and on ``prune()``. Its rules compose by
-        union (a step is kept if any rule keeps it), and whatever they answer, ``latest``, a
-        pinned step and any step newer than ``latest`` are never deleted. No rule at all keeps
-        every step. A bad rule raises ConfigError here, not at the first save.
-
-        - ``keep_last=N``: the N newest steps.
-        - ``keep_every=K``: every step that is a multiple of K (milestones).
-        - ``keep_best=K, best_metric="val_loss", best_mode="min"``: the K best steps by a
-          number saved in their metadata (``save(step, state, metadata={"val_loss": 0.3})``);
-          ``best_mode`` is ``"min"`` (lower is better) or ``"max"``, and required. Ties go to
-          the newer step. Steps without a usable value (missing, not a number, NaN) are never
-          among the best and are kept, like orbax's ``keep_checkpoints_without_metrics``.
-        - ``keep_every_seconds=T``: one step per T seconds of commit time, like orbax's
-          ``keep_time_interval``.
-        - ``retention=``: a policy of your own, or a list of them: anything with
-          ``keep(steps: list[StepRecord]) -> set[int]`` (retention.py), given each committed
-          step's number, commit time and metadata.
-
-        ``keep_last``/``keep_every`` alone read only the newest ``keep_last`` manifests per
-        prune; the other rules need every step's manifest, read once per process and then
-        remembered (README, "Request costs").
+        Retention (``keep_*``, ``best_*``, ``retention=`` policy objects: retention.py, and
+        the README's "Retention, pins and garbage") runs after each save and on ``prune()``;
+        its rules keep by union, and never delete ``latest``, a pinned step or a newer one.
+        A bad rule raises ConfigError here, not at the first save.
         """
         self.retention = RetentionPolicy(
             keep_last,
@@ -378,37 +361,15 @@ class CheckpointStore:
         exclude: str | Sequence[str] = (),
     ) -> CheckpointInfo:
         """Download a committed step's files into ``local_dir``, every byte verified; returns
-        the step's info (all its files, also when filters took fewer).
+        the step's info. ``local_dir`` holds the whole step or does not exist: the files stream
+        (in ranged chunks, about 64 MiB in memory at most) into a temporary directory beside
+        it, renamed into place once all are verified.
 
-        ``local_dir`` must be new or an empty directory, else ConfigError (before any read).
-        The files stream into a temporary directory beside it (``.ckpt-tmp-<random>-pull-
-        <name>``), which becomes ``local_dir`` in one rename once every file is there and
-        verified: ``local_dir`` holds the whole step or does not exist. A failed or
-        interrupted pull removes the temporary directory; a killed process leaves it behind.
-
-        - ``force=True``: also into a non-empty ``local_dir``, merging: the step's files
-          overwrite those of the same name, every other file stays.
-        - ``delete=True`` (implies ``force``): replacing, like ``aws s3 sync --delete``:
-          afterwards ``local_dir`` holds exactly the step's files; files the step lacks are
-          removed (except those the filters exclude), and folders that leaves empty.
-
-        Into a non-empty ``local_dir`` nothing changes until the whole step is downloaded
-        and verified; then the files are renamed in one by one.
-
-        ``include``/``exclude``: glob patterns on each file's path in the step, with the aws
-        CLI's rules (:func:`~ckptstore.transfer.path_filter`): every file is taken unless an
-        ``exclude`` matches it, and an ``include`` takes it back (excludes first, then
-        includes); ``*`` also matches ``/``. ``exclude="*", include="actor/*"`` pulls only
-        ``actor/``; ``include`` alone changes nothing. Such a pull is partial: nothing in
-        ``local_dir`` marks it, and it is not a checkpoint a trainer can resume from.
-
-        Each file is read in ranged chunks (``transfer.CHUNK_SIZE``, 8 MiB: one ranged GET on
-        S3), at most ``transfer.PULL_CONCURRENCY`` (8) held at once, so peak memory is about
-        64 MiB whatever the size of the files; size, CRC32C and SHA-256 (where the manifest
-        has one) are computed as the bytes pass, and a mismatch raises CorruptCheckpointError
-        before the file leaves the temporary directory. With ``fallback`` (and no ``step``),
-        a latest step that fails verification is skipped for the newest older one that
-        passes, as in ``load``.
+        A non-empty ``local_dir`` is refused unless ``force`` (merge: the step's files
+        overwrite same-named ones) or ``delete`` (exact copy, like ``aws s3 sync --delete``).
+        ``include``/``exclude`` globs select files with the aws CLI's rules
+        (:func:`~ckptstore.transfer.path_filter`); such a pull is partial. ``fallback`` as in
+        ``load``.
         """
         target = Path(local_dir)
         check_target(target, force=force or delete)  # before any read
