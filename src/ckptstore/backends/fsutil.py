@@ -7,9 +7,10 @@ source and target share a directory, where a ``shutil.move`` across devices woul
 and the directory fsync makes the rename itself durable, so a power loss cannot bring back the
 old name after a caller was told the write succeeded.
 
-The local backend, pulls (``transfer.download_dir``) and the verl tracker file all go through
-:func:`atomic_write`; the local backend's create-only and compare-and-swap writes use its
-halves, :func:`write_temp` and :func:`fsync_dir`. Temp names come from :func:`temp_name` only,
+The local backend and the verl tracker file go through :func:`atomic_write`; pulls
+(``loading.download_step``), which verify each file between writing and renaming it, and the
+local backend's create-only and compare-and-swap writes use its halves, :func:`write_temp`,
+:func:`move_into_place` and :func:`fsync_dir`. Temp names come from :func:`temp_name` only,
 so listings and ``gc`` recognise them by one prefix.
 """
 

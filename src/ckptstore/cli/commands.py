@@ -67,7 +67,7 @@ def ls_command(
     latest = latest_step(store) if every else None
     pins = store.pins()
     fenced = store.fenced_steps(every)
-    prune = store.prune(dry_run=True) if retention.given and every else None
+    prune = store.prune(dry_run=True) if retention and every else None
     infos = order_steps(every[-last:] if last is not None else every, sort_by, reverse=reverse)
     records = [step_record(i, latest=latest, pins=pins, fenced=fenced, prune=prune) for i in infos]
     data: dict[str, Any] = {

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import click
@@ -145,30 +145,16 @@ def common_options(f: F) -> F:
     return f
 
 
-@dataclass
-class Retention:
-    """The retention options of a command (``retention_options``), as the store takes them."""
-
-    keep_last: int | None = None
-    keep_every: int | None = None
-    keep_best: int | None = None
-    best_metric: str | None = None
-    best_mode: str | None = None
-    keep_every_seconds: float | None = None
-
-    @property
-    def given(self) -> bool:
-        return any(value is not None for value in asdict(self).values())
-
-
-def retention_of(ctx: click.Context) -> Retention:
-    retention: Retention = ctx.meta.setdefault("ckptstore.retention", Retention())
+def retention_of(ctx: click.Context) -> dict[str, Any]:
+    """The retention options given to the command (``retention_options``), as the store's
+    keyword arguments: ``{"keep_last": 3}``; empty when none was given."""
+    retention: dict[str, Any] = ctx.meta.setdefault("ckptstore.retention", {})
     return retention
 
 
 def _on_retention(ctx: click.Context, param: click.Parameter, value: Any) -> None:
     if value is not None and param.name is not None:
-        setattr(retention_of(ctx), param.name, value)
+        retention_of(ctx)[param.name] = value
 
 
 def retention_options(f: F) -> F:
@@ -214,7 +200,7 @@ def open_store(
     ctx: click.Context,
     uri: str,
     *,
-    retention: Retention | None = None,
+    retention: Mapping[str, Any] | None = None,
     options: dict[str, Any] | None = None,
     takeover: bool = False,
 ) -> CheckpointStore:
@@ -226,7 +212,7 @@ def open_store(
         options = {}
     store = CheckpointStore(
         uri,
-        **asdict(retention if retention is not None else Retention()),
+        **(retention or {}),
         storage_options=options,
         compat=settings.compat,
         takeover=takeover,
