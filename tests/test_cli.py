@@ -107,7 +107,8 @@ def test_help_documents_exit_codes() -> None:
     assert "Exit codes" in out
     for line in ("3    not found", "4    verification failed", "5    conflict", "6    storage"):
         assert line in out
-    for command in ("ls", "show", "verify", "prune", "pin", "unpin", "rm", "push", "pull", "cp"):
+    readers = ("ls", "show", "verify", "prune", "pin", "unpin", "rm")
+    for command in (*readers, "push", "pull", "cp", "adopt"):
         assert f"  {command} " in out
 
 
@@ -156,7 +157,7 @@ def test_usage_errors_exit_2(store: str) -> None:
         ["verify", store, "10", "--all"],
         ["prune", store],  # no retention policy given: our ConfigError
         ["ls", "bad:uri"],
-        ["push", store, store],  # --step is required
+        ["push", store, store],  # a ckptstore store is copied with cp, not pushed
     ]
     with ThreadPoolExecutor(len(cases)) as pool:  # independent runs: overlap their start-up
         results = list(pool.map(lambda args: ckpt(*args), cases))
@@ -257,7 +258,8 @@ def test_pin_unpin_rm_and_conflicts(store: str) -> None:
 
     assert data("unpin", store, "10")["changed"] is True
     assert data("unpin", store, "10")["changed"] is False
-    assert data("rm", store, "10") == {"uri": store, "step": 10, "deleted": True, "latest": 30}
+    doc = data("rm", store, "10")
+    assert doc == {"uri": store, "dry_run": False, "deleted": [10], "latest": 30}
 
     done = ckpt("rm", store, "30")
     assert done.returncode == 5 and "latest" in error_line(done)
@@ -394,16 +396,17 @@ def test_push_applies_the_same_retention_options(tmp_path: Path, step_dir: Path)
 
 def test_push_pull_roundtrip(tmp_path: Path, step_dir: Path) -> None:
     uri = str(tmp_path / "pushed")
-    done = ckpt(
-        "push", str(step_dir), uri, "--step", "7", "-m", "loss=0.5", "-m", "note=hi", "--json"
-    )
+    done = ckpt("push", str(step_dir), uri, "-m", "loss=0.5", "-m", "note=hi", "--json")
     assert done.returncode == 0, done.stderr
     pushed = json.loads(done.stdout)
     assert pushed["step"] == 7 and pushed["files"] == 2 and pushed["kind"] == "directory"
-    assert pushed["metadata"] == {"loss": 0.5, "note": "hi"}
+    assert pushed["metadata"] == {"loss": 0.5, "note": "hi"} and pushed["skipped"] is False
 
+    assert "with the same files" in ok("push", str(step_dir), uri, "7")  # a rerun: skipped
+    (step_dir / "data.pt").write_bytes(b"other dataloader state")
     done = ckpt("push", str(step_dir), uri, "--step", "7")
     assert done.returncode == 5 and "already committed" in error_line(done)
+    (step_dir / "data.pt").write_bytes(b"dataloader state")
 
     target = tmp_path / "pulled"
     pulled = data("pull", uri, str(target))
@@ -411,7 +414,7 @@ def test_push_pull_roundtrip(tmp_path: Path, step_dir: Path) -> None:
     for rel in ("actor/model_world_size_1_rank_0.pt", "data.pt"):
         assert (target / rel).read_bytes() == (step_dir / rel).read_bytes()
 
-    done = ckpt("pull", uri, str(tmp_path / "other"), "--step", "8")
+    done = ckpt("pull", uri, str(tmp_path / "other"), "8")
     assert done.returncode == 3
 
 

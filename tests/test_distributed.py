@@ -17,12 +17,15 @@ from ckptstore import (
     DistributedCheckpointError,
     NotFoundError,
 )
+from ckptstore.commit import Previous
 from ckptstore.distributed import (
     load_distributed,
     rank_dir,
     save_distributed,
+    split_by_rank,
 )
 from ckptstore.layout import LEASE_NAME, step_dir
+from ckptstore.manifest import FileEntry
 from ranks import Records, run_ranks
 
 MiB = 1 << 20
@@ -66,6 +69,42 @@ def test_a_world_of_one_saves_and_loads_without_a_process_group(tmp_path: Path) 
         assert info.metadata == {"loss": 0.5}
         assert_state_equal(load_distributed(store), rank_state(0, 3))
         assert store.last_loaded == info
+
+
+def test_each_rank_is_handed_only_the_previous_files_of_its_own_folder() -> None:
+    def entry(path: str) -> FileEntry:
+        return FileEntry(path, 1, "00000000", None, "0123456789abcdef")
+
+    paths = [
+        f"{rank_dir(0)}/state.json",
+        f"{rank_dir(1)}/state.json",
+        f"{rank_dir(1)}/model-00000.safetensors",
+        f"{rank_dir(5)}/state.json",  # a rank the world no longer has
+        f"{rank_dir(1)}x/state.json",  # a look-alike folder
+        "state.json",  # a plain save's file
+    ]
+    cut = split_by_rank(Previous(7, tuple(entry(p) for p in paths)), 3)
+    assert [[f.path for f in p.files] for p in cut] == [[paths[0]], paths[1:3], []]
+    assert {p.step for p in cut} == {7}
+    assert split_by_rank(Previous(None), 2) == [Previous(None), Previous(None)]
+
+
+def test_an_unchanged_rank_copies_its_files_from_the_step_rank_0_read(tmp_path: Path) -> None:
+    with CheckpointStore(str(tmp_path)) as store:
+        save_distributed(store, 1, rank_state(0, 1))
+        again = save_distributed(store, 2, rank_state(0, 1))
+        assert {f.copied_from for f in again.files} == {1}  # from the scattered entries
+        changed = save_distributed(store, 3, rank_state(0, 3))
+        assert {f.path: f.copied_from for f in changed.files}[f"{rank_dir(0)}/state.json"] is None
+
+
+def test_a_step_behind_latest_is_refused_with_the_step_rank_0_read(tmp_path: Path) -> None:
+    with CheckpointStore(str(tmp_path)) as store:
+        save_distributed(store, 10, rank_state(0, 10))
+        with pytest.raises(DistributedCheckpointError, match="refusing to save step 3"):
+            save_distributed(store, 3, rank_state(0, 3))
+        assert [i.step for i in store.list()] == [10]
+        assert not (tmp_path / step_dir(3)).exists()
 
 
 def test_an_empty_store_is_not_found(tmp_path: Path) -> None:

@@ -91,7 +91,7 @@ def test_max_attempts_is_the_one_retry_setting(
     proxy = make_proxy(rate=1.0, faults=("503",), operations=frozenset({"HeadObject"}))
     backend = S3Backend(s3_uri, options(proxy, max_attempts=attempts))
     assert backend._client.meta.config.retries == {
-        "mode": "standard",
+        "mode": "adaptive",
         "total_max_attempts": attempts,
     }
     with pytest.raises(BackendError, match="after retries") as caught:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,8 +18,11 @@ import torch
 from ckptstore import CheckpointStore, layout
 from ckptstore.backends.base import Backend, BackendProxy, ObjectInfo
 from ckptstore.backends.local import LocalBackend
-from ckptstore.commit import Committer
+from ckptstore.commit import Committer, Previous
+from ckptstore.errors import ConflictError, StepBehindLatestError
 from ckptstore.manifest import KIND_STATE, Manifest
+from ckptstore.payload import SourceFile
+from ckptstore.saving import read_previous
 
 STEPS = 10_000
 EVERY = 10
@@ -173,3 +177,88 @@ def test_load_reads_the_pointer_one_manifest_and_its_files(big_store: Path) -> N
         assert calls == Counter({**expected, "other GET": files}), calls
     finally:
         writer.delete(step, force=True)
+
+
+# -- staging in a multi-process save: what one stager reads ---------------------------------
+
+
+def staged_files(tag: bytes) -> list[SourceFile]:
+    return [
+        SourceFile(f"rank_00001/{n}.bin", lambda n=n: [tag + n.encode()], len(tag) + 1)
+        for n in "ab"
+    ]
+
+
+def test_a_stager_handed_the_previous_step_reads_neither_pointer_nor_manifest(
+    tmp_path: Path,
+) -> None:
+    """The coordinator reads ``latest`` and the previous manifest once; a rank handed its
+    entries reads neither, and still copies its unchanged files."""
+    store, backend = open_counted(tmp_path / "store")
+    first = store.stage_files(1, staged_files(b"same"), kind=KIND_STATE)
+    store.commit_files(1, first, kind=KIND_STATE)
+    backend.take()
+    previous = read_previous(store, KIND_STATE)
+    assert backend.take() == Counter({"pointer GET": 1, "manifest GET": 1})
+    mine = previous.among(["rank_00001/a.bin"])
+    second = store.stage_files(2, staged_files(b"same"), kind=KIND_STATE, previous=mine)
+    assert backend.take() == Counter(), "a rank given previous= reads nothing"
+    assert {e.path: e.copied_from for e in second} == {
+        "rank_00001/a.bin": 1,  # handed to it: copied
+        "rank_00001/b.bin": None,  # not handed to it: uploaded
+    }
+    info = store.commit_files(2, second, kind=KIND_STATE)
+    assert bytes(store.read_file(info, "rank_00001/a.bin")) == b"samea"
+
+
+def test_a_stager_needs_the_pointer_only_to_refuse_a_step_behind_latest(tmp_path: Path) -> None:
+    store, backend = open_counted(tmp_path / "store", incremental=False)
+    store.commit_files(5, store.stage_files(5, staged_files(b"x"), kind=KIND_STATE))
+    backend.take()
+    store.discard(6)
+    store.stage_files(6, staged_files(b"y"), kind=KIND_STATE)
+    assert backend.take()["pointer GET"] == 1  # not incremental: no manifest
+    store.stage_files(3, staged_files(b"z"), kind=KIND_STATE, allow_older=True)
+    calls = backend.take()
+    assert calls["pointer GET"] == calls["manifest GET"] == 0, calls
+    with pytest.raises(StepBehindLatestError, match="latest is step 5"):
+        store.stage_files(4, staged_files(b"w"), kind=KIND_STATE, previous=Previous(5))
+    assert backend.take()["pointer GET"] == 0  # the coordinator's word on latest
+
+
+def test_a_process_that_only_stages_never_probes_s3(
+    s3_uri: str, s3_options: dict[str, Any]
+) -> None:
+    """The capability probe (5 conditional PUTs and a delete) is for processes that write
+    conditionally: the coordinator's commit still probes, and still commits once only."""
+    counts: Counter[str] = Counter()
+
+    def count(event_name: str, **_: Any) -> None:
+        counts[event_name.rsplit(".", 1)[-1]] += 1
+
+    with CheckpointStore(s3_uri, storage_options=s3_options, lease=False) as stager:
+        stager.backend._client.meta.events.register("before-send.s3", count)  # type: ignore[attr-defined]
+        entries = stager.stage_files(
+            1, staged_files(b"x"), kind=KIND_STATE, previous=Previous(None)
+        )
+        assert counts == Counter({"PutObject": 1 + 2, "HeadObject": 1, "HeadBucket": 1}), counts
+        rival = stager.stage_files(1, staged_files(b"y"), kind=KIND_STATE, previous=Previous(None))
+        assert counts["DeleteObjects"] == 0, counts
+    with CheckpointStore(s3_uri, storage_options=s3_options) as coordinator:
+        info = coordinator.commit_files(1, entries, kind=KIND_STATE)
+        assert coordinator.backend.capabilities.atomic_create  # moto honours If-None-Match
+        with pytest.raises(ConflictError, match="already committed"):
+            coordinator.commit_files(1, rival, kind=KIND_STATE)
+        assert bytes(coordinator.read_file(info, "rank_00001/b.bin")) == b"xb"
+
+
+def test_gc_lists_the_store_once_and_reads_no_clean_manifest(big_store: Path) -> None:
+    """gc judges clean steps on the listing's word: its requests do not grow with the steps
+    beyond the pages of one listing (10 on S3 here; one call on local disk)."""
+    store, backend = open_counted(big_store)
+    report = store.gc(older_than=0)
+    assert report.deleted == () and report.foreign == ()
+    calls = backend.take()
+    assert calls["manifest GET"] == 0 and calls["LIST dirs"] == 0, calls
+    assert calls["LIST"] == 1, calls
+    assert sum(calls.values()) <= 2, calls  # and the lease, to see whether a save is in flight

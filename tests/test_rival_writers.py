@@ -63,7 +63,7 @@ def worker(job: dict[str, Any]) -> int:
         if job.get("gate") and step != steps[0]:
             sys.stdin.readline()  # the test says when
         try:
-            store.save(step, state_for(step))
+            store.save(step, state_for(step), allow_older=job.get("allow_older", False))
             say(saved=step)
         except CheckpointError as e:
             say(error=type(e).__name__, message=str(e), step=step)
@@ -246,8 +246,10 @@ def test_lease_free_writers_lose_no_commit(
     where: tuple[str, dict[str, Any]], pointer_moves: list[Pointer]
 ) -> None:
     uri, options = where
-    odd = Writer(uri=uri, options=options, steps=list(range(1, 21, 2)), lease=False)
-    even = Writer(uri=uri, options=options, steps=list(range(2, 21, 2)), lease=False)
+    # Interleaved on purpose: either may fall behind the other's latest (allow_older)
+    both = {"uri": uri, "options": options, "lease": False, "allow_older": True}
+    odd = Writer(steps=list(range(1, 21, 2)), **both)
+    even = Writer(steps=list(range(2, 21, 2)), **both)
     odd.finish()
     even.finish()
     assert odd.errors == [] and even.errors == [], odd.report() + even.report()

@@ -50,7 +50,7 @@ def test_a_fresh_store_on_the_same_uri_resumes(store_uri: tuple[str, dict[str, A
 
 def test_list_is_ascending_and_skips_uncommitted(store: CheckpointStore) -> None:
     for step in (30, 10, 20):
-        store.save(step, state_for(step))
+        store.save(step, state_for(step), allow_older=True)  # older steps on purpose
     store.backend.write(payload_path(40, "state.json"), [b"{}"])  # a save in flight
     assert [i.step for i in store.list()] == [10, 20, 30]
 

@@ -78,7 +78,7 @@ def seed_all(seed: int) -> None:
 def test_the_callback_saves_every_save_freq_steps(tmp_path: Path) -> None:
     run = Run(0)
     with CheckpointStore(str(tmp_path), keep_last=2) as store:
-        callback = CheckpointCallback(store, save_freq=3)
+        callback = CheckpointCallback(store, save_freq=3, preemption_signals=())
         handles = [callback.on_step(step, run.model, run.optimizer) for step in range(1, 11)]
         store.wait()
         assert [h is not None for h in handles] == [s % 3 == 0 for s in range(1, 11)]
@@ -90,7 +90,9 @@ def test_resume_continues_bit_identically(tmp_path: Path, async_save: bool) -> N
     seed_all(1)
     straight = Run(0)
     with CheckpointStore(str(tmp_path)) as store:
-        callback = CheckpointCallback(store, save_freq=5, async_save=async_save)
+        callback = CheckpointCallback(
+            store, save_freq=5, async_save=async_save, preemption_signals=()
+        )
         for step in range(1, 9):  # saves step 5, then goes on without saving
             straight.step()
             callback.on_step(step, straight.model, straight.optimizer, straight.scheduler, {"k": 1})
@@ -132,7 +134,7 @@ def test_a_corrupt_latest_falls_back_with_a_warning(
 ) -> None:
     run = Run(0)
     with CheckpointStore(str(tmp_path)) as store:
-        callback = CheckpointCallback(store, save_freq=2, async_save=False)
+        callback = CheckpointCallback(store, save_freq=2, async_save=False, preemption_signals=())
         for step in range(1, 5):
             run.step()
             callback.on_step(step, run.model, run.optimizer, run.scheduler)
@@ -156,6 +158,113 @@ def test_a_step_saved_otherwise_is_a_clear_error(tmp_path: Path) -> None:
         store.save(1, {"weights": run.model.state_dict()})
         with pytest.raises(ConfigError, match="not saved by CheckpointCallback"):
             resume(store, run.model, run.optimizer)
+
+
+def test_a_plain_save_is_refused_before_anything_is_restored(tmp_path: Path) -> None:
+    saved, fresh = Run(0), Run(1)
+    saved.step()
+    seed_all(5)
+    before = fresh.snapshot()
+    with CheckpointStore(str(tmp_path)) as store:
+        store.save(
+            3, {"model": saved.model.state_dict(), "optimizer": saved.optimizer.state_dict()}
+        )
+        with pytest.raises(ConfigError) as caught:
+            resume(store, fresh.model, fresh.optimizer)
+        message = str(caught.value)
+        assert f"{store.uri}/global_step_3 (step 3) lacks 'rng'" in message
+        assert "Nothing was restored; pass rng=False" in message
+        assert caught.value.step == 3
+        seed_all(5)
+        assert_identical(fresh.snapshot(), before)  # model, optimizer and RNGs untouched
+
+        assert resume(store, fresh.model, fresh.optimizer, rng=False) == 3
+    assert_identical(fresh.snapshot()["model"], saved.snapshot()["model"])
+    assert_identical(fresh.snapshot()["optimizer"], saved.snapshot()["optimizer"])
+
+
+def test_strict_false_restores_what_the_step_holds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    saved, fresh = Run(0), Run(1)
+    optimizer_before = fresh.snapshot()["optimizer"]
+    with CheckpointStore(str(tmp_path)) as store:
+        store.save(2, {"model": saved.model.state_dict()})
+        with pytest.raises(
+            ConfigError, match=r"lacks 'optimizer', 'scheduler', 'rng'.*strict=False"
+        ):
+            resume(store, fresh.model, fresh.optimizer, fresh.scheduler)
+        with caplog.at_level(logging.WARNING, "ckptstore"):
+            assert resume(store, fresh.model, fresh.optimizer, fresh.scheduler, strict=False) == 2
+    assert "restoring without optimizer, scheduler, rng" in caplog.text
+    assert_identical(fresh.snapshot()["model"], saved.snapshot()["model"])
+    assert_identical(fresh.snapshot()["optimizer"], optimizer_before)
+
+
+def test_without_a_model_even_strict_false_refuses(tmp_path: Path) -> None:
+    run = Run(0)
+    with CheckpointStore(str(tmp_path)) as store:
+        store.save(1, torch.zeros(3))
+        with pytest.raises(ConfigError, match=r"lacks 'model'.*store.load"):
+            resume(store, run.model, run.optimizer, strict=False)
+
+
+class Wider(Run):
+    def __init__(self, seed: int, hidden: int = 8, extra_layer: bool = False) -> None:
+        super().__init__(seed)
+        layers = [torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)]
+        if extra_layer:
+            layers.append(torch.nn.Linear(1, 1))
+        self.model = torch.nn.Sequential(*layers)
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": list(self.model.parameters())[:2]},
+                {"params": list(self.model.parameters())[2:]},
+            ]
+        )
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2)
+
+
+@pytest.mark.parametrize(
+    ("other", "problem"),
+    [
+        (lambda: Wider(1, hidden=16), r"'0.weight' is \(8, 4\) in the checkpoint, \(16, 4\) in"),
+        (lambda: Wider(1, extra_layer=True), r"missing keys \['3.bias', '3.weight'\]"),
+        (lambda: Run(1), r"missing keys \['3.bias'.*unexpected keys \['2.bias'"),
+    ],
+)
+def test_a_state_that_does_not_fit_changes_nothing(
+    tmp_path: Path, other: Any, problem: str
+) -> None:
+    saved = Wider(0)
+    saved.step()
+    with CheckpointStore(str(tmp_path)) as store:
+        CheckpointCallback(store, 1, async_save=False, preemption_signals=()).on_step(
+            1, saved.model, saved.optimizer, saved.scheduler
+        )
+        fresh = other()
+        seed_all(3)
+        before = fresh.snapshot()
+        with pytest.raises(ConfigError, match=problem):
+            resume(store, fresh.model, fresh.optimizer, fresh.scheduler)
+        seed_all(3)
+        assert_identical(fresh.snapshot(), before)
+
+
+def test_an_optimizer_with_other_groups_changes_nothing(tmp_path: Path) -> None:
+    saved = Wider(0)
+    with CheckpointStore(str(tmp_path)) as store:
+        CheckpointCallback(store, 1, async_save=False, preemption_signals=()).on_step(
+            1, saved.model, saved.optimizer
+        )
+        fresh = Wider(1)
+        fresh.optimizer = torch.optim.AdamW(fresh.model.parameters())  # one group, not two
+        before = fresh.snapshot()
+        with pytest.raises(
+            ConfigError, match=r"parameters per group \[2, 2\] in the checkpoint, \[4\]"
+        ):
+            resume(store, fresh.model, fresh.optimizer)
+        assert_identical(fresh.snapshot()["model"], before["model"])
 
 
 def test_save_freq_must_be_positive(tmp_path: Path) -> None:

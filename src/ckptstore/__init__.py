@@ -15,6 +15,7 @@ from ckptstore.errors import (
     LeaseHeldError,
     NotFoundError,
     SerializationError,
+    StepBehindLatestError,
     UnsafeLoadError,
     UntrustedCheckpointError,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "SaveHandle",
     "SaveStats",
     "SerializationError",
+    "StepBehindLatestError",
     "StepRecord",
     "UnsafeLoadError",
     "UntrustedCheckpointError",

@@ -6,28 +6,80 @@ moves forward without racing our own saves. A failure is kept until someone hear
 handle's ``wait()`` raises it, and if nobody waited, the next save (or ``store.wait()``, or
 closing the store) raises it instead. A save still pending when the interpreter exits is
 finished first, so a training script that simply returns still commits its last step.
+
+Waiting for that save at exit, or in ``close()`` while a Ctrl-C unwinds the script, says so on
+stderr (a silent pause reads as a hang) and offers a way out: a Ctrl-C during the wait abandons
+the save. Abandoning sets a flag the worker checks between chunks of payload and right before
+the commit marker, so it stops at the next chunk, removes its staged files and commits
+nothing; the process waits for that cleanup (a further Ctrl-C stops waiting, and ``gc`` removes
+what is left, since an attempt nobody commits is proven dead garbage once it is old).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Generic, TypeVar
+
+from ckptstore.backends.base import Chunk
+from ckptstore.errors import SaveAbandonedError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+WAKE_SECONDS = 0.1
+
+
+class Abandon:
+    """The flag a background save checks between chunks and before its commit."""
+
+    def __init__(self, step: int, uri: str) -> None:
+        self.step = step
+        self.uri = uri
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def check(self) -> None:
+        """Raise SaveAbandonedError once the save was abandoned."""
+        if self._event.is_set():
+            raise SaveAbandonedError(
+                f"the save of step {self.step} to {self.uri} was abandoned (Ctrl-C at exit); "
+                "nothing was committed",
+                uri=self.uri,
+                step=self.step,
+            )
+
+    def checked(self, chunks: Callable[[], Iterable[Chunk]]) -> Callable[[], Iterator[Chunk]]:
+        """``chunks`` that stop with SaveAbandonedError at the first chunk after abandoning."""
+
+        def produce() -> Iterator[Chunk]:
+            for chunk in chunks():
+                self.check()
+                yield chunk
+            self.check()
+
+        return produce
 
 
 class SaveHandle(Generic[T]):
     """A save running in the background."""
 
-    def __init__(self, step: int, future: Future[T], blocked_seconds: float) -> None:
+    def __init__(
+        self, step: int, future: Future[T], blocked_seconds: float, abandon: Abandon
+    ) -> None:
         self.step = step
         self.blocked_seconds = blocked_seconds
         """How long the caller was blocked (the snapshot), in seconds."""
         self._future = future
+        self._abandon = abandon
         self._reported = False
 
     def done(self) -> bool:
@@ -62,7 +114,16 @@ class BackgroundSaver(Generic[T]):
         self._pending: SaveHandle[T] | None = None
         self._lock = threading.Lock()
 
-    def submit(self, step: int, work: Callable[[], T], blocked_seconds: float) -> SaveHandle[T]:
+    def submit(
+        self,
+        step: int,
+        work: Callable[[Abandon], T],
+        blocked_seconds: float,
+        *,
+        uri: str = "",
+    ) -> SaveHandle[T]:
+        """Run ``work(abandon)`` in the worker; it checks ``abandon`` between chunks."""
+        abandon = Abandon(step, uri)
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
@@ -72,9 +133,9 @@ class BackgroundSaver(Generic[T]):
                 # hook runs early enough: atexit.register runs after threading's shutdown (the
                 # save then fails, uncommitted), and a non-daemon thread is joined after it.
                 threading._register_atexit(self._flush_at_exit)  # type: ignore[attr-defined]
-            future = self._executor.submit(work)
-            future.add_done_callback(lambda f: _log_failure(step, f))
-            self._pending = SaveHandle(step, future, blocked_seconds)
+            future = self._executor.submit(work, abandon)
+            future.add_done_callback(lambda f: _log_outcome(step, uri, f))
+            self._pending = SaveHandle(step, future, blocked_seconds, abandon)
             return self._pending
 
     def drain(self) -> None:
@@ -83,28 +144,129 @@ class BackgroundSaver(Generic[T]):
         if pending is None:
             return
         try:
-            pending._future.exception()  # waits without raising
+            _wait(pending._future)
         finally:
             error = pending._unreported_error()
         if error is not None:
             raise error
 
     def _flush_at_exit(self) -> None:
+        interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
         try:
-            self.drain()
+            self.finish(interrupted=interrupted, at_exit=True)
+            if not self._abandoned():
+                self.drain()
         except BaseException as e:  # nobody is left to raise to: say it loudly
-            log.error("a save pending at exit failed: %s", e)
+            if not isinstance(e, SaveAbandonedError):
+                log.error("a save pending at exit failed: %s: %s", type(e).__name__, e)
+
+    def finish(self, *, interrupted: bool, at_exit: bool = False) -> bool:
+        """Wait for the save in flight. A wait the user did not ask for (at exit, or after a
+        Ctrl-C) is announced with the way out: a Ctrl-C then abandons the save. A Ctrl-C during
+        a wait not announced yet announces it. Returns whether a Ctrl-C arrived during the
+        wait; errors stay for ``drain`` to raise."""
+        pending = self._pending
+        if pending is None or pending.done():
+            return False
+        announced, pressed = interrupted or at_exit, False
+        if announced:
+            _announce(pending, again=interrupted)
+        while True:
+            try:
+                _wait(pending._future)
+                return pressed
+            except KeyboardInterrupt:
+                pressed = True
+                if not announced:
+                    announced = True
+                    _announce(pending, again=True)
+                    continue
+                _abandon(pending)
+                return True
+
+    def _abandoned(self) -> bool:
+        """Whether the last save was abandoned (maybe still stopping: then nobody waits)."""
+        pending = self._pending
+        if pending is None or not pending._abandon.is_set():
+            return False
+        pending._unreported_error()
+        return True
 
     def close(self) -> None:
+        """Wait for the save in flight and raise its error; stop the worker thread. Inside a
+        Ctrl-C (a ``with`` block unwinding), waiting is announced and may be abandoned."""
+        interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)
         try:
-            self.drain()
+            pressed = self.finish(interrupted=interrupted)
+            if not self._abandoned():  # abandoning was the user's choice: not an error
+                self.drain()
+            if pressed and not interrupted:
+                raise KeyboardInterrupt
         finally:
             with self._lock:
                 if self._executor is not None:
-                    self._executor.shutdown(wait=True)
+                    idle = self._pending is None or self._pending.done()
+                    self._executor.shutdown(wait=idle)
                     self._executor = None
 
 
-def _log_failure(step: int, future: Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.error("background save of step %d failed: %s", step, future.exception())
+def _wait(future: Future[Any]) -> BaseException | None:
+    """``future.exception()``, waking every WAKE_SECONDS: Linux may deliver a Ctrl-C to any
+    thread, and Python runs its handler in the main thread only between bytecodes, so a
+    main thread blocked in one long wait would never see it."""
+    while True:
+        try:
+            return future.exception(WAKE_SECONDS)
+        except FutureTimeout:
+            continue
+
+
+def _announce(pending: SaveHandle[Any], *, again: bool) -> None:
+    log.warning(
+        "finishing the save of step %d to %s; press Ctrl-C %sto abandon it",
+        pending.step,
+        pending._abandon.uri,
+        "again " if again else "",
+    )
+
+
+def _abandon(pending: SaveHandle[Any]) -> None:
+    """Tell the worker to stop and wait for it to remove the staged files."""
+    pending._abandon.set()
+    log.warning(
+        "abandoning the save of step %d to %s: removing its staged files (Ctrl-C again to "
+        "stop waiting; `ckptstore gc` removes what is left)",
+        pending.step,
+        pending._abandon.uri,
+    )
+    try:
+        error = _wait(pending._future)
+    except KeyboardInterrupt:
+        log.warning(
+            "left the staged files of step %d in %s; `ckptstore gc` removes them once they are "
+            "an hour old (nothing was committed)",
+            pending.step,
+            pending._abandon.uri,
+        )
+        return
+    if error is None:
+        log.warning(
+            "step %d was committed to %s before the save could be abandoned",
+            pending.step,
+            pending._abandon.uri,
+        )
+
+
+def _log_outcome(step: int, uri: str, future: Future[Any]) -> None:
+    if future.cancelled():
+        return
+    error = future.exception()
+    if isinstance(error, SaveAbandonedError):
+        log.warning(
+            "abandoned the save of step %d to %s: nothing was committed, its staged files were "
+            "removed (any left over are garbage that `ckptstore gc` removes)",
+            step,
+            uri,
+        )
+    elif error is not None:
+        log.error("background save of step %d failed: %s", step, error)

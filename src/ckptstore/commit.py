@@ -24,6 +24,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ckptstore import layout
 from ckptstore.backends.base import Backend, Chunk
@@ -52,6 +53,46 @@ from ckptstore.removal import Remover
 from ckptstore.signing import Signer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Previous:
+    """The step ``latest`` named when a save began, and those of its files a stager may copy
+    instead of uploading. A coordinator reads the pointer and the manifest once and hands each
+    rank the entries under its own folder, so a rank's staging costs the same at 8 ranks as at
+    1,024 (README "Scale")."""
+
+    step: int | None
+    """``latest``'s step (None: no step yet); a save of an older step is refused."""
+    files: tuple[FileEntry, ...] = ()
+    """Entries of ``step`` (empty: nothing to copy, e.g. not incremental or another kind)."""
+
+    @classmethod
+    def of(cls, manifest: Manifest | None, latest: int | None = None) -> Previous:
+        """All of ``manifest``'s files; without one, only the pointer's step."""
+        if manifest is None:
+            return cls(latest)
+        return cls(manifest.step, manifest.files)
+
+    def only(self, prefix: str) -> Previous:
+        """The files under ``prefix`` (a folder, with its trailing ``/``)."""
+        return Previous(self.step, tuple(f for f in self.files if f.path.startswith(prefix)))
+
+    def among(self, paths: Iterable[str]) -> Previous:
+        """The files of these ``paths`` (a node's share of a directory step)."""
+        wanted = set(paths)
+        return Previous(self.step, tuple(f for f in self.files if f.path in wanted))
+
+
+def parallel_writes(backend: Backend) -> int:
+    """How many files to write at once. Asked without the capability probe where the backend
+    can say so (S3's ``parallel_writes``): a rank that only stages payload never writes
+    conditionally, so it must not pay the probe's writes; the committer probes on its first
+    create."""
+    hint = getattr(backend, "parallel_writes", None)
+    if isinstance(hint, int) and not isinstance(hint, bool) and hint >= 1:
+        return hint
+    return backend.capabilities.parallel_writes
 
 
 class Committer:
@@ -86,14 +127,15 @@ class Committer:
         files: Iterable[SourceFile],
         progress: Progress | None = None,
         *,
-        previous: Manifest | None = None,
+        previous: Manifest | Previous | None = None,
         epoch: int = 0,
     ) -> list[FileEntry]:
         """Write every payload file (several at once) into a new attempt directory; returns
         their manifest entries. On failure the attempt's files are removed (best effort).
 
-        A file whose size and checksum equal those of the same path in ``previous`` is copied
-        from there (server-side on S3, a hard link locally) instead of uploaded. ``progress``
+        A file whose size and checksum equal those of the same path in ``previous`` (a
+        manifest, or the entries a coordinator handed over) is copied from there (server-side
+        on S3, a hard link locally) instead of uploaded. ``progress``
         is called with each chunk's size as it is handed to the backend.
         """
         sources = list(files)
@@ -101,7 +143,9 @@ class Committer:
             raise ConflictError(f"step {step}: two payload files share a path")
         for source in sources:
             layout.check_relpath(source.path, where=f"step {step}")
-        earlier = {f.path: f for f in previous.files} if previous is not None else {}
+        reuse = Previous.of(previous) if isinstance(previous, Manifest) else previous
+        from_step = reuse.step if reuse is not None else None
+        earlier = {f.path: f for f in reuse.files} if reuse is not None else {}
         attempt = self.begin_attempt(step, epoch)
 
         def write_one(source: SourceFile) -> FileEntry:
@@ -110,20 +154,18 @@ class Committer:
             unchanged = (
                 old is not None and old.size == source.size and self._same_bytes(source, old)
             )
-            if previous is not None and old is not None and unchanged:
-                self.backend.copy(old.key(previous.step), path)
+            if from_step is not None and old is not None and unchanged:
+                self.backend.copy(old.key(from_step), path)
                 if progress:
                     progress(old.size)
-                return FileEntry(
-                    source.path, old.size, old.crc32c, previous.step, attempt, old.sha256
-                )
+                return FileEntry(source.path, old.size, old.crc32c, from_step, attempt, old.sha256)
             crc, sha = Crc32c(), hashlib.sha256() if self.digests else None
             chunks = _hashed(source.chunks(), crc, sha)
             size = self.backend.write(path, _reporting(chunks, progress) if progress else chunks)
             digest = sha.hexdigest() if sha is not None else None
             return FileEntry(source.path, size, crc.hexdigest(), None, attempt, digest)
 
-        workers = max(1, min(self.backend.capabilities.parallel_writes, len(sources)))
+        workers = max(1, min(parallel_writes(self.backend), len(sources)))
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-write") as pool:
                 return list(pool.map(write_one, sources))
@@ -158,7 +200,7 @@ class Committer:
             if progress:
                 progress(entry.size)
 
-        workers = max(1, min(self.backend.capabilities.parallel_writes, len(entries)))
+        workers = max(1, min(parallel_writes(self.backend), len(entries)))
         with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-copy") as pool:
             list(pool.map(write_one, entries))
 

@@ -12,6 +12,10 @@ ckptstore errors, which pickle) instead of skipping a collective, which would ha
 rank that dies outright still hangs the others until the process group's timeout. Object
 collectives over NCCL run on the current CUDA device: set it (``torch.cuda.set_device``) first.
 
+Rank 0 also reads ``latest`` and the previous step's manifest, once, and scatters to each rank
+only the entries under its own folder (the files it may copy instead of uploading): a rank reads
+neither, so its cost does not grow with the number of ranks (README "Scale").
+
 Only rank 0 takes the writer lease (lease.py). Open the store with ``lease=False`` on the other
 ranks to say so; a default store is safe too, since staging never takes the lease.
 
@@ -33,6 +37,7 @@ import torch.distributed as dist
 
 from ckptstore import layout
 from ckptstore.backends.base import error_context
+from ckptstore.commit import Previous
 from ckptstore.compat import check_compat
 from ckptstore.environment import current_environment
 from ckptstore.errors import (
@@ -48,6 +53,7 @@ from ckptstore.errors import (
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry
 from ckptstore.payload import SourceFile
+from ckptstore.saving import read_previous
 from ckptstore.serialize import SKELETON_FILE, decode_state, encode_state
 
 if TYPE_CHECKING:
@@ -88,6 +94,15 @@ class Collectives:
         box = [obj]
         dist.broadcast_object_list(box, src=self.root, group=self.group)
         return box[0]
+
+    def scatter(self, objs: list[T] | None) -> T:
+        """Rank r's item of rank 0's ``objs`` (one per rank; ``None`` on other ranks)."""
+        if not self.active or self.size == 1:
+            assert objs is not None and len(objs) == self.size
+            return objs[0]
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs, src=self.root, group=self.group)
+        return out[0]  # type: ignore[no-any-return]
 
     def gather(self, obj: T) -> list[T] | None:
         """Every rank's ``obj``, in rank order, on rank 0; ``None`` elsewhere."""
@@ -133,22 +148,23 @@ def save_distributed(
     step = layout.check_step(step)
     comm = Collectives(group)
     started = time.perf_counter()
-    # 1. Rank 0 takes the writer lease and checks the step is new before anyone uploads.
-    refusal: CheckpointError | None = None
+    # 1. Rank 0 takes the writer lease, checks the step is new before anyone uploads, and
+    # hands each rank its files of the previous step.
+    plans: list[Previous | CheckpointError] | None = None
     if comm.rank == 0:
-        refusal = _attempt(lambda: _prepare(store, step))
-    refusal = comm.broadcast(refusal)
-    if refusal is not None:
+        plans = _plans(store, step, comm.size)
+    plan = comm.scatter(plans)
+    if isinstance(plan, CheckpointError):
         raise DistributedCheckpointError(
-            f"step {step} was not saved: rank 0: {describe(refusal)}",
-            {0: describe(refusal)},
+            f"step {step} was not saved: rank 0: {describe(plan)}",
+            {0: describe(plan)},
             **_step_context(store.uri, step),
-        ) from refusal
+        ) from plan
     # 2. Every rank stages its own files; the entries (or the error) go to rank 0.
     local_error: Exception | None = None
     report: list[FileEntry] | str
     try:
-        report = _stage(store, step, state, comm.rank, allow_pickle)
+        report = _stage(store, step, state, comm.rank, allow_pickle, plan)
     except Exception as e:
         log.exception("rank %d could not stage step %d", comm.rank, step)
         local_error, report = e, describe(e)
@@ -197,6 +213,29 @@ def _attempt(action: Callable[[], None]) -> CheckpointError | None:
     return None
 
 
+def _plans(store: CheckpointStore, step: int, size: int) -> list[Previous | CheckpointError]:
+    """Rank 0: each rank's :class:`Previous` (the refusal, for every rank, on failure)."""
+    previous: list[Previous] = []
+
+    def prepare() -> None:
+        _prepare(store, step)
+        previous.extend(split_by_rank(read_previous(store, KIND_STATE), size))
+
+    refusal = _attempt(prepare)
+    return [refusal] * size if refusal is not None else list(previous)
+
+
+def split_by_rank(previous: Previous, size: int) -> list[Previous]:
+    """``previous`` cut into each rank's files (under its :func:`rank_dir`), in one pass."""
+    folders = {rank_dir(r): r for r in range(size)}
+    files: list[list[FileEntry]] = [[] for _ in range(size)]
+    for entry in previous.files:
+        rank = folders.get(entry.path.split("/", 1)[0])
+        if rank is not None:
+            files[rank].append(entry)
+    return [Previous(previous.step, tuple(f)) for f in files]
+
+
 def _prepare(store: CheckpointStore, step: int) -> None:
     store.wait()
     store.hold_lease()
@@ -209,12 +248,17 @@ def _prepare(store: CheckpointStore, step: int) -> None:
 
 
 def _stage(
-    store: CheckpointStore, step: int, state: Any, rank: int, allow_pickle: bool
+    store: CheckpointStore,
+    step: int,
+    state: Any,
+    rank: int,
+    allow_pickle: bool,
+    previous: Previous,
 ) -> list[FileEntry]:
     encoded = encode_state(state, shard_size=store.shard_size, allow_pickle=allow_pickle)
     folder = rank_dir(rank)
     files = [SourceFile(f"{folder}/{f.path}", f.chunks, f.size) for f in encoded.files()]
-    return store.stage_files(step, files, kind=KIND_STATE)
+    return store.stage_files(step, files, kind=KIND_STATE, previous=previous)
 
 
 def _conclude(

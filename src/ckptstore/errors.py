@@ -17,6 +17,8 @@ The tree, and when each is raised::
      |    +-- PreconditionFailedError  a compare-and-swap found the object changed
      |    +-- LeaseHeldError         another live writer holds the store's writer lease
      |    +-- FencedError            this writer lost its lease: it must not commit any more
+     |    +-- StepBehindLatestError  a save of a step older than ``latest`` (a run that forgot
+     |                               to resume); ``allow_older=True`` saves it anyway
      +-- CompatibilityError          written by versions this reader refuses
      +-- SerializationError          the state holds what the safe format cannot represent
      |                               (a TypeError too)
@@ -24,6 +26,7 @@ The tree, and when each is raised::
      +-- BackendError                the storage failed; ``retryable`` says if trying again helps
      |    +-- AccessDeniedError      credentials missing or wrong, or permission refused
      +-- DistributedCheckpointError  a multi-rank save or load failed; ``failures`` per rank
+     +-- SaveAbandonedError          a background save was abandoned (Ctrl-C twice at exit)
 
 Besides the message, every error carries what it is about as attributes, each ``None`` where
 it does not apply (``str(e)`` is the message alone):
@@ -207,3 +210,15 @@ class LeaseHeldError(ConflictError):
 
 class FencedError(ConflictError):
     """This writer's lease was taken over: it must not commit or move ``latest`` any more."""
+
+
+class StepBehindLatestError(ConflictError):
+    """A save of a step older than ``latest``'s: a rerun that forgot to resume, whose saves
+    retention would delete at once. Resume first, save into a new URI, or pass
+    ``allow_older=True``."""
+
+
+class SaveAbandonedError(CheckpointError):
+    """A background save was abandoned before its commit (a second Ctrl-C while the process
+    waited for it at exit): nothing was committed, its staged files were removed (what could
+    not be is garbage that ``gc`` removes)."""

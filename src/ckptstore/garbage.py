@@ -6,13 +6,34 @@ removed only when every one of them looks dead: nothing in them is younger than 
 seconds and none was started under the writer lease that is held now; and then under a
 tombstone (removal.py), so a commit cannot land while its files go. Attempts that lost the race
 for a committed step are dead whatever their age.
+
+A prefix that holds no store at all (no ``latest.json``, nothing under ``.ckptstore/``, no
+step with a manifest or a save attempt) is refused before anything is listed for deletion:
+``gc`` on a mistyped URI, or on a run copied there with ``aws s3 sync``, would otherwise
+report its files as foreign at best, and abort another tool's multipart uploads at worst.
+
+One recursive listing of the whole store, paginated (on S3, one request per 1,000 keys), tells
+gc what it needs about nearly every step, so a store of 10,000 clean steps costs its LIST pages
+and no GET. The listing cannot tell a manifest from a tombstone, nor the manifest's attempts
+from a loser's; a step is clean on its word alone when its manifest key is larger than any
+tombstone naming one attempt (``TOMBSTONE_MAX_SIZE``) and it holds exactly one attempt
+directory, with its marker and files beside it, none newer than the key. A step committed
+there was committed from that attempt: the only other way to be alone there is to have lost a
+create-only race to a manifest whose own attempt has vanished, which no removal does (they
+delete payload before markers, so a removal that died half-way leaves an attempt with its
+marker alone, or several attempts). Every other step with a manifest key is read: two or more
+attempts, an attempt without a marker or with nothing but it, a file newer than the key (a save
+staged over a tombstone), files beside an attempt, a small key, a pinned step, and a key alone
+a day old (a tombstone to drop). A step without a key needs no GET: nothing is committed there,
+and the tombstone claim (removal.py) re-checks before anything goes. Schema-1 and adopted steps
+(files, no attempt) are read only when their key is small; their foreign files go unreported.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptstore import layout
@@ -26,13 +47,16 @@ from ckptstore.errors import (
 )
 from ckptstore.info import GcReport
 from ckptstore.lease_record import Process, read_lease
-from ckptstore.manifest import Manifest, tombstone_attempts
+from ckptstore.manifest import Manifest, encode_tombstone, tombstone_attempts
 from ckptstore.removal import Remover, delete_attempt_files
 
 log = logging.getLogger(__name__)
 
 GC_GRACE_SECONDS = 3600.0
 """gc leaves younger uncommitted objects alone: they may belong to a save in flight."""
+TOMBSTONE_MAX_SIZE = len(encode_tombstone("w" * 300, -1.2345678901234567e300, ["0" * 16]))
+"""The largest tombstone naming one attempt: a writer id is ``host:pid:hex`` (a host name has
+at most 255 characters). A manifest key larger than this over one attempt is a manifest."""
 TOMBSTONE_GRACE_SECONDS = 86400.0
 """gc removes a tombstone (removal.py) only once it is this old, whatever ``older_than`` says: a
 committer stalled for that long between staging and committing is taken for dead."""
@@ -68,10 +92,13 @@ class GarbageCollector:
         self.live_epoch = held_lease_epoch(self.backend)
 
     def run(self) -> GcReport:
+        listing = _StoreListing.scan(self.backend)
+        self._check_is_store(listing)
         found = _Findings()
-        for step in self.catalog.step_dirs():
-            self._collect_step(step, found)
-        pins = self._stale_pins(found.committed)
+        pinned = {s for p in listing.pins if (s := _pinned_step(p.path)) is not None}
+        for step in sorted(listing.steps):
+            self._collect_step(step, listing.steps[step], step in pinned, found)
+        pins = self._stale_pins(listing.pins, found.committed)
         partial = [
             p
             for p in self.backend.partial_writes("")
@@ -89,10 +116,29 @@ class GarbageCollector:
             kept=tuple(found.kept),
         )
 
-    def _collect_step(self, step: int, found: _Findings) -> None:
-        objects = list(self.backend.list(layout.step_dir(step) + "/"))
-        attempts = _by_attempt(step, objects)
-        marker = layout.manifest_path(step)
+    def _check_is_store(self, listing: _StoreListing) -> None:
+        """NotFoundError unless the prefix holds a store (module docstring)."""
+        if listing.has_latest or listing.has_meta:
+            return
+        if any(s.key is not None or s.attempts for s in listing.steps.values()):
+            return
+        uri = self.backend.uri
+        raise NotFoundError(
+            f"{uri} holds no ckptstore store (no {layout.LATEST_NAME}, no {layout.META_DIR}/, "
+            "no committed step or save attempt), so gc deleted nothing: it removes only what "
+            "failed saves of a store leave. Check the URI (and endpoint); a store is created "
+            "by its first save",
+            uri=uri,
+        )
+
+    def _collect_step(self, step: int, seen: _StepListing, pinned: bool, found: _Findings) -> None:
+        if seen.key is None:  # nothing committed: no GET; the claim re-checks before deleting
+            found.foreign += [o.path for o in seen.other]
+            self._collect_uncommitted(step, seen.attempts, None, found)
+            return
+        if not seen.may_hold_garbage(step, self.tombstone_cutoff, pinned=pinned):
+            found.committed.add(step)
+            return
         try:
             manifest: Manifest | None = self.catalog.read_manifest(step)
         except NotFoundError:
@@ -101,23 +147,16 @@ class GarbageCollector:
             found.committed.add(step)  # unreadable: not ours to judge; verify reports it
             return
         listed = {f.key(step) for f in manifest.files} if manifest is not None else set()
-        found.foreign += [
-            o.path
-            for o in objects
-            if o.path != marker
-            and o.path not in listed
-            and layout.parse_attempt_path(step, o.path) is None
-        ]
-        if manifest is not None:
-            found.committed.add(step)
-            owners = {f.attempt for f in manifest.files}
-            losers = [o.path for a, files in attempts.items() if a not in owners for o in files]
-            if losers and not self.dry_run:
-                delete_attempt_files(self.backend, losers)
-            found.deleted += losers
+        found.foreign += [o.path for o in seen.other if o.path not in listed]
+        if manifest is None:
+            self._collect_uncommitted(step, seen.attempts, seen.key, found)
             return
-        tombstone = next((o for o in objects if o.path == marker), None)
-        self._collect_uncommitted(step, attempts, tombstone, found)
+        found.committed.add(step)
+        owners = {f.attempt for f in manifest.files}
+        losers = [o.path for a, files in seen.attempts.items() if a not in owners for o in files]
+        if losers and not self.dry_run:
+            delete_attempt_files(self.backend, losers)
+        found.deleted += losers
 
     def _collect_uncommitted(
         self,
@@ -147,12 +186,11 @@ class GarbageCollector:
                 self.remover.drop_tombstone(step)
             found.deleted.append(layout.manifest_path(step))
 
-    def _stale_pins(self, committed: set[int]) -> list[str]:
+    def _stale_pins(self, pins: list[ObjectInfo], committed: set[int]) -> list[str]:
         return [
             pin.path
-            for pin in self.backend.list(layout.PINS_DIR + "/")
-            if _old(pin.mtime, self.cutoff)
-            and layout.parse_step_dir(pin.path.rsplit("/", 1)[-1]) not in committed
+            for pin in pins
+            if _old(pin.mtime, self.cutoff) and _pinned_step(pin.path) not in committed
         ]
 
     def _removed_attempts(self, step: int) -> frozenset[str]:
@@ -173,6 +211,71 @@ class GarbageCollector:
         return epoch if isinstance(epoch, int) else None
 
 
+@dataclass
+class _StepListing:
+    """What the listing shows of one step directory."""
+
+    key: ObjectInfo | None = None
+    """The object at the manifest key: a manifest or a tombstone (the listing cannot tell)."""
+    attempts: dict[str, list[ObjectInfo]] = field(default_factory=dict)
+    other: list[ObjectInfo] = field(default_factory=list)
+    """Objects outside attempt directories: a schema-1 or adopted step's files, or foreign."""
+
+    def add(self, step: int, obj: ObjectInfo) -> None:
+        attempt = layout.parse_attempt_path(step, obj.path)
+        if obj.path == layout.manifest_path(step):
+            self.key = obj
+        elif attempt is not None:
+            self.attempts.setdefault(attempt, []).append(obj)
+        else:
+            self.other.append(obj)
+
+    def may_hold_garbage(self, step: int, tombstone_cutoff: float, *, pinned: bool) -> bool:
+        """Whether the manifest must be read to judge the step (module docstring); ``pinned``:
+        a stale pin is judged by whether its step is committed, which a tombstone is not."""
+        key = self.key
+        assert key is not None
+        small = key.size <= TOMBSTONE_MAX_SIZE
+        if pinned or len(self.attempts) > 1:
+            return True
+        if not self.attempts:  # a schema-1 or adopted step, or a tombstone alone
+            return small if self.other else _old(key.mtime, tombstone_cutoff)
+        if small or self.other:
+            return True
+        ((attempt, files),) = self.attempts.items()
+        marker = layout.attempt_marker_path(step, attempt)
+        return (
+            all(o.path != marker for o in files)  # a removal died after deleting it
+            or len(files) == 1  # the marker alone: a removal died before deleting it
+            or any(_newer(o.mtime, key.mtime) for o in files)  # staged after the key
+        )
+
+
+@dataclass
+class _StoreListing:
+    """One recursive listing of the store, sorted by what gc asks of it."""
+
+    steps: dict[int, _StepListing] = field(default_factory=dict)
+    pins: list[ObjectInfo] = field(default_factory=list)
+    has_latest: bool = False
+    has_meta: bool = False
+
+    @classmethod
+    def scan(cls, backend: Backend) -> _StoreListing:
+        found = cls()
+        for obj in backend.list(""):
+            head, slash, _ = obj.path.partition("/")
+            if obj.path == layout.LATEST_NAME:
+                found.has_latest = True
+            elif head == layout.META_DIR and slash:
+                found.has_meta = True
+                if obj.path.startswith(layout.PINS_DIR + "/"):
+                    found.pins.append(obj)
+            elif slash and (step := layout.parse_step_dir(head)) is not None:
+                found.steps.setdefault(step, _StepListing()).add(step, obj)
+        return found
+
+
 def held_lease_epoch(backend: Backend) -> int | None:
     """The epoch of the writer lease if someone may hold it now: not released, and not held
     by a process on this machine that has exited. None otherwise."""
@@ -188,15 +291,14 @@ def held_lease_epoch(backend: Backend) -> int | None:
     return record.epoch
 
 
-def _by_attempt(step: int, objects: Iterable[ObjectInfo]) -> dict[str, list[ObjectInfo]]:
-    """The step's objects that lie in attempt directories, by attempt id."""
-    found: dict[str, list[ObjectInfo]] = {}
-    for obj in objects:
-        attempt = layout.parse_attempt_path(step, obj.path)
-        if attempt is not None:
-            found.setdefault(attempt, []).append(obj)
-    return found
-
-
 def _old(mtime: float | None, cutoff: float) -> bool:
     return mtime is None or mtime <= cutoff
+
+
+def _newer(mtime: float | None, than: float | None) -> bool:
+    """Whether ``mtime`` is after ``than``; an unknown time may be."""
+    return mtime is None or than is None or mtime > than
+
+
+def _pinned_step(path: str) -> int | None:
+    return layout.parse_step_dir(path.rsplit("/", 1)[-1])

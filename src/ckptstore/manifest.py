@@ -255,18 +255,48 @@ class Manifest:
 
 
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    """User metadata as plain JSON values (a copy), or ConfigError saying what to convert."""
+    """User metadata as plain JSON values (a copy), or ConfigError saying what to convert.
+
+    0-d tensors and NumPy scalars (what Lightning logs) become Python numbers and bools, in
+    nested dicts and lists too; they are recognised by duck typing (``.item()``, ``.ndim``), so
+    this module never imports torch or NumPy: file-only CLI commands start without them.
+    """
     if metadata is None:
         return {}
     if not isinstance(metadata, Mapping):
         raise ConfigError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
+    plain = {key: _plain_value(value, f"metadata[{key!r}]") for key, value in metadata.items()}
     try:
-        return dict(json.loads(json.dumps(dict(metadata), allow_nan=False)))
+        return dict(json.loads(json.dumps(plain, allow_nan=False)))
     except (TypeError, ValueError) as e:
         raise ConfigError(
             f"metadata must hold only JSON values (str, numbers, bools, None, lists, dicts "
             f"with str keys): {e}; convert tensors with .item()"
         ) from e
+
+
+def _plain_value(value: Any, where: str) -> Any:
+    """``value`` with 0-d tensors and array scalars made Python scalars; ConfigError for a
+    tensor or array of any other shape, and for NaN or infinity (JSON has neither)."""
+    if isinstance(value, Mapping):
+        return {k: _plain_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    ndim = getattr(value, "ndim", None)
+    if isinstance(ndim, int) and callable(getattr(value, "item", None)):
+        if ndim != 0:
+            shape = tuple(getattr(value, "shape", ()))
+            raise ConfigError(
+                f"metadata must hold only JSON values: {where} is a {type(value).__name__} of "
+                f"shape {shape}; convert it with .item() (one element) or .tolist()"
+            )
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(
+            f"metadata must hold only JSON values: {where} is {value}, and JSON has no NaN or "
+            "infinity; log a finite number, or None or a string in its place"
+        )
+    return value
 
 
 def encode_tombstone(writer: str, time: float, attempts: Iterable[str]) -> bytes:

@@ -168,7 +168,8 @@ class Remover:
 
 def delete_attempt_files(backend: Backend, paths: Iterable[str]) -> None:
     """Delete attempt files, markers last, so an interrupted delete leaves a recognisable
-    attempt (marker present) rather than anonymous files."""
+    attempt (marker present) rather than anonymous files, and one that ``gc``'s listing tells
+    from a committed attempt without reading the manifest (its marker alone; garbage.py)."""
     paths = list(paths)
     markers = [p for p in paths if p.endswith("/" + layout.ATTEMPT_MARKER)]
     backend.delete([p for p in paths if p not in markers])

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from ckptstore import layout
+from ckptstore.adoption import Adopter, ForeignStep
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
 from ckptstore.background import SaveHandle
-from ckptstore.commit import Committer
+from ckptstore.commit import Committer, Previous
 from ckptstore.compat import check_compat, check_mode
 from ckptstore.config import key_bytes, signing_key_from_env
 from ckptstore.environment import current_environment, world_size
@@ -167,12 +168,16 @@ class CheckpointStore:
         metadata: Mapping[str, Any] | None = None,
         *,
         allow_pickle: bool = False,
+        allow_older: bool = False,
     ) -> CheckpointInfo:
         """Write ``state`` as ``step``, commit it, move ``latest``, apply retention.
 
         Waits for an async save in flight first (and raises its error if nobody heard of it).
+        A step older than ``latest``'s is refused with StepBehindLatestError before anything
+        is uploaded (a rerun that forgot to resume); ``allow_older=True`` commits it anyway,
+        ``latest`` stays, and retention applies as usual (``keep_last`` may delete it at once).
         """
-        return self._saver.save(step, state, metadata, allow_pickle)
+        return self._saver.save(step, state, metadata, allow_pickle, allow_older=allow_older)
 
     def save_async(
         self,
@@ -181,14 +186,17 @@ class CheckpointStore:
         metadata: Mapping[str, Any] | None = None,
         *,
         allow_pickle: bool = False,
+        allow_older: bool = False,
     ) -> SaveHandle[CheckpointInfo]:
         """Snapshot ``state`` and save it in the background; returns at once after the copy.
 
         One save is in flight at a time: this first waits for the previous one to commit, and
         raises its error if nobody heard of it. Tensors are copied into buffers reused across
         saves (pinned host memory for CUDA tensors), so training may change them right away.
+        A step older than ``latest``'s raises StepBehindLatestError here (as ``save``).
+        At exit, a pending save is finished (announced on stderr); a Ctrl-C then abandons it.
         """
-        return self._saver.save_async(step, state, metadata, allow_pickle)
+        return self._saver.save_async(step, state, metadata, allow_pickle, allow_older=allow_older)
 
     def wait(self) -> None:
         """Wait for the async save in flight; raise its error if nobody heard of it."""
@@ -201,8 +209,10 @@ class CheckpointStore:
         metadata: Mapping[str, Any] | None = None,
         *,
         progress: Progress | None = None,
+        allow_older: bool = False,
     ) -> CheckpointInfo:
-        """Commit every file under ``local_dir`` as ``step`` (a verl ``global_step_N`` dir)."""
+        """Commit every file under ``local_dir`` as ``step`` (a verl ``global_step_N`` dir);
+        ``allow_older`` as in ``save``."""
         step = layout.check_step(step)
         user_metadata = check_metadata(metadata)
         self._saver.background.drain()
@@ -210,7 +220,36 @@ class CheckpointStore:
             SourceFile(rel, file_reader(path), path.stat().st_size)
             for rel, path in scan_dir(Path(local_dir))
         ]
-        return self._saver.write(step, files, KIND_DIRECTORY, user_metadata, progress=progress)
+        return self._saver.write(
+            step, files, KIND_DIRECTORY, user_metadata, progress=progress, allow_older=allow_older
+        )
+
+    def adopt(
+        self,
+        step: int | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        progress: Progress | None = None,
+    ) -> builtins.list[CheckpointInfo]:
+        """Commit in place step directories already in the store that ckptstore did not
+        write (a verl run uploaded with ``aws s3 sync``): ``step``'s, or with ``None`` every
+        such directory, oldest first. Each file is read once to checksum it; nothing is
+        copied, and ``latest`` only moves forward (older steps are adopted too). Run it on a
+        quiescent directory: a file changed afterwards fails ``verify``. A committed step, or
+        one without foreign files, is a ConflictError or NotFoundError (adoption.py)."""
+        user_metadata = check_metadata(metadata)
+        self._saver.background.drain()
+        adopter = Adopter(self._maintenance, self._adopter_env, self.clock)
+        return adopter.adopt(step, user_metadata, progress)
+
+    def adoptable(self, step: int | None = None) -> builtins.list[ForeignStep]:
+        """What ``adopt(step)`` would commit, without reading or writing a byte of it."""
+        return Adopter(self._maintenance, self._adopter_env, self.clock).find(step)
+
+    def _adopter_env(self) -> Environment:
+        """This process's environment without asking torch.distributed (a slow import) for a
+        world size: adoption records the one its files' names say (adoption.py)."""
+        return self._environment or current_environment()
 
     def stage_files(
         self,
@@ -219,6 +258,8 @@ class CheckpointStore:
         *,
         kind: str = KIND_DIRECTORY,
         progress: Progress | None = None,
+        allow_older: bool = False,
+        previous: Previous | None = None,
     ) -> builtins.list[FileEntry]:
         """Upload payload files of ``step`` without committing it; returns their entries.
 
@@ -227,8 +268,14 @@ class CheckpointStore:
         Files unchanged since the latest step (same path, size and checksum) are copied
         server-side instead of uploaded when the store is ``incremental``. Each call writes
         into an attempt directory of its own, so callers never collide on a key.
+        A step older than ``latest``'s is refused before any upload unless ``allow_older``.
+        ``previous``: ``latest``'s step and this process's entries of it, read once by a
+        coordinator (``store.previous_for(kind).only(folder)``) so that stagers read neither
+        the pointer nor the manifest; None reads them here.
         """
-        return self._saver.stage(step, files, kind=kind, progress=progress)
+        return self._saver.stage(
+            step, files, kind=kind, progress=progress, allow_older=allow_older, previous=previous
+        )
 
     def commit_files(
         self,
@@ -239,14 +286,22 @@ class CheckpointStore:
         metadata: Mapping[str, Any] | None = None,
         world_size: int | None = None,
         started: float | None = None,
+        allow_older: bool = False,
     ) -> CheckpointInfo:
         """Commit staged files as ``step``: confirm them, write the manifest, move ``latest``,
         apply retention. On failure before the manifest is written nothing is committed.
         ``started``, a ``time.perf_counter()`` taken before staging, makes the returned
-        stats count the staging too."""
+        stats count the staging too. A step older than ``latest``'s is refused (its staged
+        files removed) unless ``allow_older``."""
         timing = (started, 0.0) if started is not None else None
         return self._saver.commit(
-            step, entries, kind=kind, metadata=metadata or {}, world_size=world_size, timing=timing
+            step,
+            entries,
+            kind=kind,
+            metadata=metadata or {},
+            world_size=world_size,
+            timing=timing,
+            allow_older=allow_older,
         )
 
     def discard(self, step: int) -> None:
@@ -429,7 +484,10 @@ class CheckpointStore:
         return self._maintenance.copy_to(other._maintenance, steps, progress)
 
     def gc(self, dry_run: bool = False, *, older_than: float = GC_GRACE_SECONDS) -> GcReport:
-        """Remove uncommitted files, stray uploads and stale pins older than ``older_than`` s."""
+        """Remove uncommitted files, stray uploads and stale pins older than ``older_than`` s.
+
+        NotFoundError, deleting nothing, if the URI holds no store (a mistyped URI, or files
+        that another tool put there): gc removes only what a store's failed saves leave."""
         collector = GarbageCollector(
             self._catalog, self._remover, self.clock, dry_run=dry_run, older_than=older_than
         )

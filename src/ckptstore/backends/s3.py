@@ -16,8 +16,11 @@ check-then-write, atomic within this process only: create becomes HEAD, PUT, rea
 compare; swap becomes HEAD, compare ETags, PUT. A server that does not verify checksums loses no
 guarantee (loads verify CRC32C), so that is only logged. Readers never probe.
 
-Retries live in one place, botocore's ``standard`` retry mode, bounded by the ``max_attempts``
-option (a GET body that breaks after its headers is read again under the same bound). Errors
+Retries live in one place, botocore's ``adaptive`` retry mode, bounded by the ``max_attempts``
+option (a GET body that breaks after its headers is read again under the same bound): standard
+mode's exponential backoff with full jitter, plus a rate limit per client that S3's SlowDown
+answers switch on and adjust, so a thousand ranks writing one fresh prefix slow down together
+instead of retrying into the limit until their attempts run out (README "Scale"). Errors
 are translated once, at this boundary (:mod:`.s3_errors`), by error code and HTTP status, never
 by message text. Options and URIs are validated in :mod:`.s3_options`.
 """
@@ -97,6 +100,11 @@ class S3Backend(BaseBackend):
     def capabilities(self) -> Capabilities:
         """Probes the server on first use (it writes): ask on write paths only."""
         return self._probe()
+
+    @property
+    def parallel_writes(self) -> int:
+        """``capabilities.parallel_writes`` without the probe: what staging asks (commit.py)."""
+        return self._opts.max_concurrency
 
     # -- reads ------------------------------------------------------------------------------
 

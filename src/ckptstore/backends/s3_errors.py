@@ -2,7 +2,7 @@
 
 The one place the S3 backend translates errors. Never by message text: S3-compatible servers
 word their messages differently, but agree on codes and statuses. botocore has already retried
-what its ``standard`` mode retries, so ``retryable`` tells the caller whether trying again
+what its ``adaptive`` mode retries, so ``retryable`` tells the caller whether trying again
 later (a new save, a resume) may help. A 403 is always AccessDeniedError, never "missing": an
 expired token must not read as "no checkpoint here, start from step 0".
 """

@@ -171,9 +171,12 @@ class S3Options:
             session = boto3.session.Session(**self.session_kwargs)
             return session.client("s3", config=self.config, **self.client_kwargs)
         except ProfileNotFound as e:
+            name = e.kwargs.get("profile") or self.session_kwargs.get("profile_name")
             raise ConfigError(
-                f"{uri}: AWS profile {self.session_kwargs.get('profile_name')!r} "
-                "is not in ~/.aws/config or ~/.aws/credentials",
+                f"{uri}: AWS profile {name!r} is not in ~/.aws/config or ~/.aws/credentials "
+                "(or the files AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE name); create it "
+                f"with `aws configure --profile {name}`, or pass a profile that exists "
+                "(profile / --profile, AWS_PROFILE)",
                 uri=uri,
             ) from e
         except (BotoCoreError, TypeError, ValueError) as e:
@@ -220,8 +223,10 @@ def _config(uri: str, opts: dict[str, Any], concurrency: int, attempts: int) -> 
     s3.update(user.pop("s3", None) or {})
     try:
         base = Config(
-            # total attempts, first one included, as AWS_MAX_ATTEMPTS counts them
-            retries={"mode": "standard", "total_max_attempts": attempts},
+            # total attempts, first one included, as AWS_MAX_ATTEMPTS counts them; adaptive:
+            # standard's backoff plus a client-side rate limit once S3 answers SlowDown, so many
+            # ranks on one prefix converge instead of storming (README "Scale")
+            retries={"mode": "adaptive", "total_max_attempts": attempts},
             connect_timeout=10,
             read_timeout=120,
             max_pool_connections=max(10, 2 * concurrency + 2),

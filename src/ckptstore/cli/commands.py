@@ -11,18 +11,22 @@ from typing import Any
 
 import click
 
+from ckptstore.backends.base import join
+from ckptstore.cli import discover
 from ckptstore.cli.common import (
     COUNT,
     EXIT_VERIFY,
     STEP,
+    StepRef,
     common_options,
     emit,
     empty_store,
     latest_step,
     open_store,
+    resolve_step,
     retention_of,
     retention_options,
-    settings_of,
+    set_partial,
     step_list,
 )
 from ckptstore.cli.format import (
@@ -32,11 +36,14 @@ from ckptstore.cli.format import (
     human_size,
     iso_time,
     order_steps,
+    plural,
     step_record,
     steps_table,
     total_line,
 )
+from ckptstore.errors import ConflictError, NotFoundError
 from ckptstore.info import CheckpointInfo
+from ckptstore.store import CheckpointStore
 
 # -- reading commands ------------------------------------------------------------------------
 
@@ -57,9 +64,11 @@ from ckptstore.info import CheckpointInfo
 def ls_command(
     ctx: click.Context, uri: str, sort_by: str | None, reverse: bool, last: int | None
 ) -> None:
-    """List the committed steps of URI (exit 3 if there are none).
+    """List the committed steps of URI.
 
     With retention options, mark the steps that prune with the same options would delete.
+    A URI that is not a store (a bucket, a parent directory) lists the stores below it,
+    searched 3 levels down; exit 3 if there are none.
     """
     retention = retention_of(ctx)
     store = open_store(ctx, uri, retention=retention)
@@ -79,9 +88,8 @@ def ls_command(
     if prune is not None:
         data["prune"] = prune
     if not every:
-        if settings_of(ctx).as_json:
-            emit(ctx, data, "")
-        raise empty_store(store)
+        _ls_stores_below(ctx, store, data)
+        return
     emit(
         ctx,
         data,
@@ -93,19 +101,30 @@ def ls_command(
     )
 
 
+def _ls_stores_below(ctx: click.Context, store: CheckpointStore, data: dict[str, Any]) -> None:
+    """``ls`` of a URI without committed steps: the stores below it, else "no step" (exit 3)."""
+    search = discover.find_stores(store.backend)
+    found = discover.summarize(
+        [join(store.uri, path) for path in search.found], lambda uri: open_store(ctx, uri)
+    )
+    data["stores"] = [s.record() for s in found]
+    data["search"] = {"depth": discover.SEARCH_DEPTH, "truncated": search.truncated}
+    if not found:
+        set_partial(ctx, data)
+        raise empty_store(store)
+    emit(ctx, data, lambda: discover.stores_text(store.uri, found, search, discover.SEARCH_DEPTH))
+
+
 @click.command("show")
 @click.argument("uri")
-@click.argument("step", type=STEP, required=False)
+@click.argument("step", type=STEP, default="latest")
 @common_options
 @click.pass_context
-def show_command(ctx: click.Context, uri: str, step: int | None) -> None:
+def show_command(ctx: click.Context, uri: str, step: StepRef) -> None:
     """Show one step's manifest (default: latest): files, metadata, environment."""
     store = open_store(ctx, uri)
     latest = latest_step(store)
-    chosen = step if step is not None else latest
-    if chosen is None:
-        raise empty_store(store)
-    info = store.info(chosen)
+    info = store.info(resolve_step(store, step))
     pinned = info.step in store.pins()
     manifest = json.loads(info.manifest.encode())
     data = {"uri": info.uri, "latest": info.step == latest, "pinned": pinned, "manifest": manifest}
@@ -120,7 +139,7 @@ def _show_text(info: CheckpointInfo, *, latest: bool, pinned: bool) -> str:
         ("uri", info.uri),
         ("kind", m.kind),
         ("created", iso_time(m.created)),
-        ("size", f"{human_size(m.size)} ({m.size} bytes) in {len(m.files)} files"),
+        ("size", f"{human_size(m.size)} ({m.size} bytes) in {plural(len(m.files), 'file')}"),
         ("writer", m.writer),
         ("schema", m.schema_version),
     ]
@@ -148,12 +167,15 @@ def _show_text(info: CheckpointInfo, *, latest: bool, pinned: bool) -> str:
 @click.option("--all", "all_steps", is_flag=True, help="Verify every committed step.")
 @common_options
 @click.pass_context
-def verify_command(ctx: click.Context, uri: str, step: int | None, all_steps: bool) -> None:
+def verify_command(ctx: click.Context, uri: str, step: StepRef | None, all_steps: bool) -> None:
     """Check every byte of a step (default: latest) against its manifest; exit 4 on problems."""
     if all_steps and step is not None:
         raise click.UsageError("give a STEP or --all, not both")
     store = open_store(ctx, uri)
-    reports = store.verify_all() if all_steps else [store.verify(step)]
+    if all_steps:
+        reports = store.verify_all()
+    else:
+        reports = [store.verify(None if step is None else resolve_step(store, step))]
     if not reports:
         raise empty_store(store)
     ok = all(r.ok for r in reports)
@@ -196,13 +218,14 @@ def prune_command(ctx: click.Context, uri: str, dry_run: bool) -> None:
 @click.argument("step", type=STEP)
 @common_options
 @click.pass_context
-def pin_command(ctx: click.Context, uri: str, step: int) -> None:
-    """Protect STEP from retention (prune, keep_last) until unpinned."""
+def pin_command(ctx: click.Context, uri: str, step: StepRef) -> None:
+    """Protect STEP (a number or 'latest') from retention (prune, keep_last) until unpinned."""
     store = open_store(ctx, uri)
-    changed = step not in store.pins()
-    store.pin(step)
-    data = {"uri": store.uri, "step": step, "pinned": True, "changed": changed}
-    emit(ctx, data, f"pinned step {step}" if changed else f"step {step} was already pinned")
+    number = resolve_step(store, step)
+    changed = number not in store.pins()
+    store.pin(number)
+    data = {"uri": store.uri, "step": number, "pinned": True, "changed": changed}
+    emit(ctx, data, f"pinned step {number}" if changed else f"step {number} was already pinned")
 
 
 @click.command("unpin")
@@ -210,27 +233,85 @@ def pin_command(ctx: click.Context, uri: str, step: int) -> None:
 @click.argument("step", type=STEP)
 @common_options
 @click.pass_context
-def unpin_command(ctx: click.Context, uri: str, step: int) -> None:
-    """Let retention delete STEP again."""
+def unpin_command(ctx: click.Context, uri: str, step: StepRef) -> None:
+    """Let retention delete STEP (a number or 'latest') again."""
     store = open_store(ctx, uri)
-    changed = store.unpin(step)
-    data = {"uri": store.uri, "step": step, "pinned": False, "changed": changed}
-    emit(ctx, data, f"unpinned step {step}" if changed else f"step {step} was not pinned")
+    number = resolve_step(store, step)
+    changed = store.unpin(number)
+    data = {"uri": store.uri, "step": number, "pinned": False, "changed": changed}
+    emit(ctx, data, f"unpinned step {number}" if changed else f"step {number} was not pinned")
 
 
 @click.command("rm")
 @click.argument("uri")
-@click.argument("step", type=STEP)
+@click.argument("steps", metavar="STEP...", type=STEP, nargs=-1, required=True)
 @click.option("--force", is_flag=True, help="Also delete the latest or a pinned step.")
+@click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
 @common_options
 @click.pass_context
-def rm_command(ctx: click.Context, uri: str, step: int, force: bool) -> None:
-    """Delete a committed step (latest moves back to the newest step left)."""
+def rm_command(
+    ctx: click.Context, uri: str, steps: tuple[StepRef, ...], force: bool, dry_run: bool
+) -> None:
+    """Delete committed steps (numbers or 'latest'); latest moves back to the newest step left.
+
+    Every STEP is checked first: one that is not committed, or is latest or pinned without
+    --force, refuses the whole command and nothing is deleted.
+    """
     store = open_store(ctx, uri)
-    store.delete(step, force=force)
-    latest = latest_step(store)
-    data = {"uri": store.uri, "step": step, "deleted": True, "latest": latest}
-    emit(ctx, data, f"deleted step {step}; latest is now {latest if latest is not None else '-'}")
+    doomed = sorted({resolve_step(store, s) for s in steps})
+    committed = [i.step for i in store.list()]
+    latest = latest_step(store) if committed else None
+    _check_removable(store.uri, doomed, committed, latest, store.pins(), force=force)
+    if not dry_run:
+        for step in doomed:  # oldest first: latest, if it goes, moves back only once
+            store.delete(step, force=force)
+    if not dry_run:
+        after = latest_step(store)
+    elif latest in doomed:  # the store moves latest back to the newest older step left
+        after = max((s for s in committed if s not in doomed and s < latest), default=None)
+    else:
+        after = latest
+    data = {"uri": store.uri, "dry_run": dry_run, "deleted": doomed, "latest": after}
+    verb = "would delete" if dry_run else "deleted"
+    now = "would be" if dry_run else "is now"
+    emit(
+        ctx,
+        data,
+        f"{verb} {'step' if len(doomed) == 1 else 'steps'} {step_list(doomed)}; "
+        f"latest {now} {after if after is not None else '-'}",
+    )
+
+
+def _check_removable(
+    uri: str,
+    doomed: list[int],
+    committed: list[int],
+    latest: int | None,
+    pins: list[int],
+    *,
+    force: bool,
+) -> None:
+    """Refuse the whole ``rm`` if any step is not committed, or is protected without force."""
+    missing = [s for s in doomed if s not in committed]
+    if missing:
+        raise NotFoundError(
+            f"{plural(len(missing), 'step')} {step_list(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not committed in {uri} (committed: "
+            f"{step_list(committed)}); nothing was deleted",
+            uri=uri,
+            step=missing[0],
+        )
+    if force:
+        return
+    protected = [(s, "latest" if s == latest else "pinned") for s in doomed if s in {latest, *pins}]
+    if protected:
+        what = ", ".join(f"{s} ({why})" for s, why in protected)
+        raise ConflictError(
+            f"{uri}: {'step' if len(protected) == 1 else 'steps'} {what} cannot be deleted "
+            "without --force (or unpin a pinned step first); nothing was deleted",
+            uri=uri,
+            step=protected[0][0],
+        )
 
 
 @click.command("gc")
@@ -257,7 +338,10 @@ def gc_command(ctx: click.Context, uri: str, dry_run: bool, older_than: float) -
         "aborted_uploads": list(report.aborted_uploads),
     }
     verb = "would remove" if dry_run else "removed"
-    lines = [f"{verb} {len(report.deleted)} objects and {len(report.aborted_uploads)} uploads"]
+    lines = [
+        f"{verb} {plural(len(report.deleted), 'object')} and "
+        f"{plural(len(report.aborted_uploads), 'upload')}"
+    ]
     lines += [f"  {path}" for path in (*report.deleted, *report.aborted_uploads)]
     emit(ctx, data, "\n".join(lines))
 

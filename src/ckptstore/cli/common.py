@@ -1,10 +1,14 @@
 """What every ``ckptstore`` command shares: global options, opening stores, printing results.
 
-Global options (``--storage-option``, ``--endpoint-url``, ``--json``, ``--compat``, ``-v``) are
-accepted both before and after the command name, because ``ckptstore ls s3://b/run
---endpoint-url ...`` is what people type. Click callbacks merge them into one
-:class:`Settings` kept in the context's ``meta`` (shared by the group and its commands, later
-values win), so no command reads them from anywhere else and nothing is process-global.
+Global options (``--storage-option``, ``--endpoint-url``, ``--profile``, ``--region``,
+``--json``, ``--compat``, ``-v``) are accepted both before and after the command name, because
+``ckptstore ls s3://b/run --endpoint-url ...`` is what people type. Click callbacks merge them
+into one :class:`Settings` kept in the context's ``meta`` (shared by the group and its commands,
+later values win), so no command reads them from anywhere else and nothing is process-global.
+``--profile`` and ``--region`` are the aws CLI's spellings of the S3 storage options
+``profile`` and ``region``: they go the same way as ``-o profile=NAME`` (s3_options.py), so the
+CLI has no second path to boto3. A command's ``--help`` shows only the options that act there
+(``--compat`` only where a state is loaded); the others are still accepted, hidden.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import click
+from click.shell_completion import CompletionItem
 
+from ckptstore import layout
 from ckptstore.backends.registry import scheme_of
 from ckptstore.compat import COMPAT_MODES
-from ckptstore.errors import NotFoundError
+from ckptstore.errors import ConfigError, NotFoundError
 from ckptstore.retention import BEST_MODES
 from ckptstore.store import CheckpointStore
 
@@ -70,9 +76,14 @@ def _on_storage_option(ctx: click.Context, _: click.Parameter, values: Sequence[
         settings_of(ctx).storage_options[key] = value
 
 
-def _on_endpoint(ctx: click.Context, _: click.Parameter, value: str | None) -> None:
-    if value:
-        settings_of(ctx).storage_options["endpoint_url"] = value
+def _storage_option(name: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+    """A callback that sets one storage option, as ``-o NAME=VALUE`` would."""
+
+    def callback(ctx: click.Context, _: click.Parameter, value: str | None) -> None:
+        if value:
+            settings_of(ctx).storage_options[name] = value
+
+    return callback
 
 
 def _on_json(ctx: click.Context, _: click.Parameter, value: bool) -> None:
@@ -95,8 +106,13 @@ def _on_verbose(ctx: click.Context, _: click.Parameter, value: int) -> None:
             logging.getLogger().setLevel(logging.DEBUG)
 
 
-def common_options(f: F) -> F:
-    """The options every command accepts, before or after its name."""
+def global_options(*, loads: bool = False, output: bool = True) -> Callable[[F], F]:
+    """The options every command accepts, before or after its name.
+
+    ``loads``: the command loads a state, so ``--compat`` acts and shows in its ``--help``;
+    ``output``: ``--json`` applies. Options that do not apply stay accepted (scripts that
+    pass them keep working) but hidden from ``--help``.
+    """
     decorators = [
         click.option(
             "--storage-option",
@@ -112,8 +128,22 @@ def common_options(f: F) -> F:
             "--endpoint-url",
             metavar="URL",
             expose_value=False,
-            callback=_on_endpoint,
+            callback=_storage_option("endpoint_url"),
             help="S3-compatible endpoint (MinIO, Ceph, R2, moto); same as -o endpoint_url=URL.",
+        ),
+        click.option(
+            "--profile",
+            metavar="NAME",
+            expose_value=False,
+            callback=_storage_option("profile"),
+            help="S3: the AWS profile (~/.aws/config) to use; same as -o profile=NAME.",
+        ),
+        click.option(
+            "--region",
+            metavar="NAME",
+            expose_value=False,
+            callback=_storage_option("region"),
+            help="S3: the bucket's region, e.g. eu-west-1; same as -o region=NAME.",
         ),
         click.option(
             "--json",
@@ -121,13 +151,15 @@ def common_options(f: F) -> F:
             is_flag=True,
             expose_value=False,
             callback=_on_json,
-            help="Print machine-readable JSON on stdout.",
+            hidden=not output,
+            help="Print machine-readable JSON on stdout (on failure: an error object).",
         ),
         click.option(
             "--compat",
             type=click.Choice(COMPAT_MODES),
             expose_value=False,
             callback=_on_compat,
+            hidden=not loads,
             help="What a version difference does on load: strict (refuse), warn (default), ignore.",
         ),
         click.option(
@@ -140,9 +172,18 @@ def common_options(f: F) -> F:
             "print tracebacks on errors.",
         ),
     ]
-    for decorate in reversed(decorators):
-        f = decorate(f)
-    return f
+
+    def decorate(f: F) -> F:
+        for option in reversed(decorators):
+            f = option(f)
+        return f
+
+    return decorate
+
+
+def common_options(f: F) -> F:
+    """:func:`global_options` for a command that loads no state and may print JSON."""
+    return global_options()(f)
 
 
 def retention_of(ctx: click.Context) -> dict[str, Any]:
@@ -204,7 +245,11 @@ def open_store(
     options: dict[str, Any] | None = None,
     takeover: bool = False,
 ) -> CheckpointStore:
-    """A store closed when the command ends; local paths get no storage options."""
+    """A store closed when the command ends; local paths get no storage options.
+
+    A URI that is a committed step's directory (``s3://b/run/global_step_100``) is refused
+    with the store and the command to run instead, at the cost of one request for such URIs.
+    """
     settings = settings_of(ctx)
     if options is None:
         options = settings.storage_options
@@ -217,7 +262,45 @@ def open_store(
         compat=settings.compat,
         takeover=takeover,
     )
-    return ctx.with_resource(store)
+    ctx.with_resource(store)
+    inside = split_step_uri(uri)
+    if inside is not None and store.backend.stat(layout.MANIFEST_NAME) is not None:
+        raise ConfigError(
+            f"{uri} is the directory of step {inside[1]}, not a store: {step_dir_hint(uri)}",
+            uri=uri,
+            step=inside[1],
+        )
+    return store
+
+
+def split_step_uri(uri: str) -> tuple[str, int] | None:
+    """``s3://b/run/global_step_100`` -> ``("s3://b/run", 100)``; ``None`` for other URIs."""
+    head, _, name = uri.rstrip("/").rpartition("/")
+    step = layout.parse_step_dir(name)
+    if step is None:
+        return None
+    if head.endswith(":/"):  # s3://global_step_1: a bucket, with no store above it
+        return None
+    if not head:
+        head = "/" if uri.startswith("/") else "."
+    return head, step
+
+
+def step_dir_hint(uri: str) -> str:
+    """What to type instead of a step directory's URI: the store and the step apart."""
+    split = split_step_uri(uri)
+    if split is None:
+        return ""
+    store, step = split
+    ctx = click.get_current_context(silent=True)
+    command = ctx.info_name if ctx is not None and ctx.parent is not None else None
+    if command not in STEP_COMMANDS:
+        command = "show"
+    return f"its store is {store}; run: ckptstore {command} {store} {step}"
+
+
+STEP_COMMANDS = frozenset({"show", "verify", "pin", "unpin", "rm"})
+"""Commands whose arguments are ``URI STEP``: the step-directory hint names them as typed."""
 
 
 def emit(ctx: click.Context, data: Any, human: str | Callable[[], str]) -> None:
@@ -232,8 +315,54 @@ def step_list(steps: Sequence[int]) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
 
 
-STEP = click.IntRange(min=0)
+LATEST = "latest"
+"""What a STEP argument may say instead of a number: the store's latest committed step."""
+
+StepRef = int | str
+"""A parsed STEP: a step number, or :data:`LATEST` (resolve it with :func:`resolve_step`)."""
+
+
+class _StepType(click.ParamType):  # type: ignore[type-arg]
+    """A step number (``100``, ``global_step_100``) or ``latest``."""
+
+    name = "step"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        text = str(value).strip()
+        if text.lower() == LATEST:
+            return LATEST
+        number = layout.parse_step_dir(text) if text.startswith(layout.STEP_PREFIX) else None
+        if number is not None:
+            return number
+        if text.isdigit():
+            return int(text)
+        self.fail(
+            f"{value!r} is not a step: give a non-negative number (100), global_step_100, "
+            "or 'latest'",
+            param,
+            ctx,
+        )
+
+    def shell_complete(
+        self, ctx: click.Context, param: click.Parameter, incomplete: str
+    ) -> list[CompletionItem]:
+        return [CompletionItem(LATEST)] if LATEST.startswith(incomplete.lower()) else []
+
+
+STEP = _StepType()
 COUNT = click.IntRange(min=1)
+
+
+def resolve_step(store: CheckpointStore, step: StepRef) -> int:
+    """The number a parsed STEP stands for; ``latest`` needs a store with a committed step."""
+    if step != LATEST:
+        return int(step)
+    latest = latest_step(store)
+    if latest is None:
+        raise empty_store(store)
+    return latest
 
 
 def latest_step(store: CheckpointStore) -> int | None:
@@ -242,7 +371,25 @@ def latest_step(store: CheckpointStore) -> int | None:
 
 
 def empty_store(store: CheckpointStore) -> NotFoundError:
+    hint = step_dir_hint(store.uri)
+    if hint:
+        hint = f"; if this is a step directory, {hint}"
     return NotFoundError(
         f"{store.uri} holds no committed step; check the URI (and --endpoint-url), or save a "
-        "step first"
+        f"step first{hint}",
+        uri=store.uri,
     )
+
+
+PARTIAL_KEY = "ckptstore.partial"
+
+
+def set_partial(ctx: click.Context, data: Mapping[str, Any]) -> None:
+    """What a failing command found before it failed (``ls`` of an empty store: no steps):
+    under ``--json`` the error object is added to it, so stdout stays one document."""
+    ctx.meta[PARTIAL_KEY] = dict(data)
+
+
+def partial_of(ctx: click.Context) -> dict[str, Any]:
+    partial: dict[str, Any] = ctx.meta.get(PARTIAL_KEY, {})
+    return partial

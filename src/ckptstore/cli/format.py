@@ -31,6 +31,12 @@ def human_size(size: int) -> str:
     raise AssertionError("unreachable")
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``plural(1, "file")`` -> ``"1 file"``, ``plural(3, "file")`` -> ``"3 files"``; ``many``
+    for irregular words (``plural(2, "entry", "entries")``)."""
+    return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
+
+
 def iso_time(seconds: float) -> str:
     """Seconds since the epoch as UTC ISO 8601, to the second: ``2025-01-31T12:00:00Z``."""
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -167,17 +173,13 @@ def total_line(
 ) -> str:
     """The line under ``ls``'s table: the store's steps and bytes (and those shown, when fewer,
     and what retention would free)."""
-    line = f"total: {_count(len(every))}, {human_size(sum(i.size for i in every))}"
+    line = f"total: {plural(len(every), 'step')}, {human_size(sum(i.size for i in every))}"
     if len(shown) < len(every):
         line += f" ({len(shown)} shown, {human_size(sum(i.size for i in shown))})"
     if prune is not None:
         freed = sum(i.size for i in every if i.step in prune)
-        line += f"; prune would delete {_count(len(prune))}, {human_size(freed)}"
+        line += f"; prune would delete {plural(len(prune), 'step')}, {human_size(freed)}"
     return line
-
-
-def _count(n: int) -> str:
-    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 def versions_table(infos: Sequence[CheckpointInfo], indent: str = "") -> str:

@@ -18,10 +18,20 @@ Exit codes, so scripts and schedulers can branch on the outcome::
     130  interrupted (Ctrl-C)
 
 Errors print one line, ``ckptstore: error: <message>``, to stderr; ``-v`` adds the traceback.
+With ``--json`` a failure also prints one JSON document on stdout, and nothing else there::
+
+    {"error": {"type": "NotFoundError", "message": "...", "exit_code": 3,
+               "uri": "s3://b/run", "step": 99, "path": null}}
+
+(a command that found something before failing, like ``ls`` of an empty store, puts the error
+into its own document). Usage errors get the same object where click lets us see ``--json``.
+Shell completion is click's: ``eval "$(_CKPTSTORE_COMPLETE=bash_source ckptstore)"`` (also
+``zsh_source``, ``fish_source``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -32,7 +42,7 @@ from typing import Any
 import click
 
 from ckptstore.backends.registry import scheme_of
-from ckptstore.cli import commands, transfer
+from ckptstore.cli import adopt, bucket, commands, diff, reshard, transfer
 from ckptstore.cli.common import (
     COUNT,
     EXIT_BACKEND,
@@ -44,7 +54,8 @@ from ckptstore.cli.common import (
     EXIT_UNEXPECTED,
     EXIT_USAGE,
     EXIT_VERIFY,
-    common_options,
+    global_options,
+    partial_of,
     settings_of,
 )
 from ckptstore.errors import (
@@ -99,6 +110,28 @@ def exit_code_for(error: BaseException) -> int:
 # -- the group: error handling in one place -------------------------------------------------
 
 
+def error_record(error: BaseException, code: int) -> dict[str, Any]:
+    """What ``--json`` prints for a failure, inside ``{"error": ...}``."""
+    if isinstance(error, click.ClickException):
+        message = error.format_message()
+    elif isinstance(error, CheckpointError):
+        message = str(error)
+    else:
+        message = f"unexpected {type(error).__name__}: {error}"
+    return {
+        "type": type(error).__name__,
+        "message": message,
+        "exit_code": code,
+        "uri": getattr(error, "uri", None),
+        "step": getattr(error, "step", None),
+        "path": getattr(error, "path", None),
+    }
+
+
+def _print_error_json(error: BaseException, code: int, partial: dict[str, Any]) -> None:
+    click.echo(json.dumps({**partial, "error": error_record(error, code)}, indent=2))
+
+
 class _Group(click.Group):
     """Turns our exceptions into one line on stderr and the documented exit code."""
 
@@ -107,7 +140,9 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            if settings_of(ctx).as_json:
+                _print_error_json(e, EXIT_INTERRUPTED, {})
             click.echo("ckptstore: interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
         except BrokenPipeError:
@@ -116,29 +151,40 @@ class _Group(click.Group):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             ctx.exit(EXIT_OK)
         except Exception as e:  # the one place that reports every error
-            verbose = settings_of(ctx).verbose
-            if verbose:
+            settings = settings_of(ctx)
+            if settings.verbose:
                 traceback.print_exc(file=sys.stderr)
             if isinstance(e, CheckpointError):
                 message = str(e)
             else:
-                hint = "" if verbose else " (rerun with -v for the traceback)"
+                hint = "" if settings.verbose else " (rerun with -v for the traceback)"
                 message = f"unexpected {type(e).__name__}: {e}{hint}"
+            code = exit_code_for(e)
+            if settings.as_json:
+                _print_error_json(e, code, partial_of(ctx))
             click.echo(f"ckptstore: error: {message}", err=True)
-            ctx.exit(exit_code_for(e))
+            ctx.exit(code)
 
 
 @click.group(cls=_Group, epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
-@common_options
+@global_options(loads=True)
 @click.version_option(package_name="ckptstore", prog_name="ckptstore")
 def cli() -> None:
     """Atomic, verified checkpoints on local disks, NFS, S3 and fsspec URLs.
 
-    URI is a store: a local path, s3://bucket/prefix, or any fsspec URL.
+    URI is a store: a local path, s3://bucket/prefix, or any fsspec URL. STEP is a number
+    (100, global_step_100) or 'latest'. Options may come before or after the command.
     """
 
 
-for _command in [*commands.COMMANDS, *transfer.COMMANDS]:
+for _command in [
+    *commands.COMMANDS,
+    *diff.COMMANDS,
+    *reshard.COMMANDS,
+    *transfer.COMMANDS,
+    *adopt.COMMANDS,
+    *bucket.COMMANDS,
+]:
     cli.add_command(_command)
 
 
@@ -155,7 +201,7 @@ for _command in [*commands.COMMANDS, *transfer.COMMANDS]:
     type=COUNT,
     help="Step at which the first run is killed (default: between two saves, half-way).",
 )
-@common_options
+@global_options(loads=True, output=False)
 @click.pass_context
 def demo_command(
     ctx: click.Context,
@@ -207,15 +253,29 @@ def _configure_logging() -> None:
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     _configure_logging()
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        result = cli.main(args=argv, prog_name="ckptstore", standalone_mode=False)
+        result = cli.main(args=args, prog_name="ckptstore", standalone_mode=False)
     except click.ClickException as e:
+        if _asks_json(args):
+            _print_error_json(e, e.exit_code, {})
         e.show()
         return e.exit_code
     except click.exceptions.Abort:
         click.echo("ckptstore: interrupted", err=True)
         return EXIT_INTERRUPTED
     return result if isinstance(result, int) else EXIT_OK
+
+
+def _asks_json(args: Sequence[str]) -> bool:
+    """Whether ``--json`` is among the options (not after ``--``): a usage error stops
+    parsing before the option's callback may have run."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if arg == "--json":
+            return True
+    return False
 
 
 def main() -> None:

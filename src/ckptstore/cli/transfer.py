@@ -1,8 +1,13 @@
-"""``ckptstore`` commands that move bytes: push, pull, cp, with tqdm progress bars on stderr.
+"""``ckptstore`` commands that move bytes: push, pull and cp, with progress bars on stderr.
 
 The store reports bytes through a ``progress`` callback, from several upload or download threads
 at once; the bar's counter is updated under a lock. By default a bar shows only when stderr is a
 terminal, so logs and CI output stay clean; ``--progress`` forces it.
+
+STEP arguments are positional (``push DIR URI 100``, ``pull URI DIR latest``, ``cp A B 10 20``);
+``--step`` still works, for older scripts. ``push`` of a verl run directory commits each
+``global_step_N`` in it, so a run made without the verl integration moves into a store with one
+command (``adopt``, in adopt.py, commits in place a run that is already in the bucket).
 """
 
 from __future__ import annotations
@@ -17,30 +22,34 @@ from typing import Any, TypeVar
 
 import click
 
+from ckptstore.adoption import LocalPush, LocalStep, difference, local_steps
 from ckptstore.cli.common import (
+    LATEST,
     STEP,
+    StepRef,
     common_options,
     emit,
     empty_store,
     open_store,
     parse_pair,
+    resolve_step,
     retention_of,
     retention_options,
     settings_of,
-    step_list,
 )
-from ckptstore.cli.format import human_size, step_record
-from ckptstore.errors import NotFoundError
+from ckptstore.cli.format import human_size, plural, step_record
+from ckptstore.errors import ConflictError, NotFoundError
+from ckptstore.info import CheckpointInfo
 from ckptstore.payload import Progress
 from ckptstore.store import CheckpointStore
 from ckptstore.transfer import path_filter, scan_dir
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# -- transfers -------------------------------------------------------------------------------
+# -- shared pieces ---------------------------------------------------------------------------
 
 
-def _progress_option(f: F) -> F:
+def progress_option(f: F) -> F:
     return click.option(
         "--progress/--no-progress",
         default=None,
@@ -48,8 +57,19 @@ def _progress_option(f: F) -> F:
     )(f)
 
 
+def metadata_option(f: F) -> F:
+    return click.option(
+        "--metadata",
+        "-m",
+        "metadata_pairs",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Metadata to record (repeatable; VALUE parsed as JSON when it parses).",
+    )(f)
+
+
 @contextmanager
-def _bar(total: int | None, desc: str, show: bool | None) -> Iterator[Progress]:
+def progress_bar(total: int | None, desc: str, show: bool | None) -> Iterator[Progress]:
     """A tqdm byte counter on stderr; the callback is safe to call from worker threads."""
     from tqdm import tqdm
 
@@ -73,7 +93,7 @@ def _bar(total: int | None, desc: str, show: bool | None) -> Iterator[Progress]:
         yield update
 
 
-def _writer_options(f: F) -> F:
+def writer_options(f: F) -> F:
     """Options of the commands that commit steps: retention, and the writer lease."""
     f = click.option(
         "--takeover",
@@ -84,53 +104,168 @@ def _writer_options(f: F) -> F:
     return retention_options(f)
 
 
+def steps_text(steps: Sequence[int]) -> str:
+    """``step 5``, ``steps 5, 6``."""
+    return f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
+
+
+def _one_step(positional: StepRef | None, option: StepRef | None) -> StepRef | None:
+    if positional is not None and option is not None and positional != option:
+        raise click.UsageError(f"STEP {positional} and --step {option} disagree; give one")
+    return positional if positional is not None else option
+
+
+def step_number(step: StepRef | None, command: str, why: str) -> int | None:
+    """A step number for commands that write steps: ``latest`` names a committed one."""
+    if step == LATEST:
+        raise click.UsageError(f"{command} takes step numbers, not 'latest': {why}")
+    return None if step is None else int(step)
+
+
+def _step_summary(info: CheckpointInfo, seconds: float | None = None) -> dict[str, Any]:
+    """A pushed step as JSON: ``ls --json``'s record, less what a push does not decide."""
+    data = step_record(info, latest=None, pins=())
+    del data["latest"], data["pinned"]
+    return data if seconds is None else {**data, "seconds": round(seconds, 3)}
+
+
+# -- push ------------------------------------------------------------------------------------
+
+
 @click.command("push")
 @click.argument("local_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("uri")
-@click.option("--step", type=STEP, required=True, help="The step to commit the files as.")
+@click.argument("step", type=STEP, required=False)
+@click.option("--step", "step_option", type=STEP, help="Same as STEP.")
+@metadata_option
 @click.option(
-    "--metadata",
-    "-m",
-    "metadata_pairs",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Metadata to record (repeatable; VALUE parsed as JSON when it parses).",
+    "--allow-older",
+    is_flag=True,
+    help="Commit steps older than the store's latest (latest stays where it is).",
 )
-@_writer_options
-@_progress_option
+@writer_options
+@progress_option
 @common_options
 @click.pass_context
 def push_command(
     ctx: click.Context,
     local_dir: Path,
     uri: str,
-    step: int,
+    step: StepRef | None,
+    step_option: StepRef | None,
     metadata_pairs: Sequence[str],
+    allow_older: bool,
     takeover: bool,
     progress: bool | None,
 ) -> None:
-    """Commit the files under LOCAL_DIR (e.g. verl's global_step_N) as STEP of URI."""
-    metadata = dict(parse_pair(p, "--metadata") for p in metadata_pairs)
-    total = sum(path.stat().st_size for _, path in scan_dir(local_dir))
-    store = open_store(ctx, uri, retention=retention_of(ctx), takeover=takeover)
-    started = time.perf_counter()
-    with _bar(total, f"push step {step}", progress) as update:
-        info = store.push_dir(step, local_dir, metadata, progress=update)
-    seconds = time.perf_counter() - started
-    data = {**step_record(info, latest=step, pins=()), "seconds": round(seconds, 3)}
-    del data["latest"], data["pinned"]
-    emit(
-        ctx,
-        data,
-        f"pushed {local_dir} as step {step} to {store.uri}: {len(info.files)} files, "
-        f"{human_size(info.size)} in {seconds:.2f} s",
+    """Commit LOCAL_DIR to URI as STEP.
+
+    LOCAL_DIR is one step's files (verl's global_step_N: STEP defaults to N), or a run
+    directory holding global_step_N directories (verl's default_local_dir): each is committed,
+    oldest first (only STEP's, if given). A step already committed with the same files is
+    skipped; with other files it is a conflict, found before anything is uploaded.
+    """
+    chosen = step_number(
+        _one_step(step, step_option), "push", "give the step to commit the files as"
     )
+    plan = local_steps(local_dir, chosen)
+    metadata = dict(parse_pair(p, "--metadata") for p in metadata_pairs)
+    store = open_store(ctx, uri, retention=retention_of(ctx), takeover=takeover)
+    todo, skipped = _push_plan(store, plan)
+    total = sum(path.stat().st_size for local in todo for _, path in scan_dir(local.path))
+    desc = f"push step {todo[0].step}" if len(todo) == 1 else "push"
+    started = time.perf_counter()
+    with progress_bar(total, desc, progress) as update:
+        pushed = [
+            store.push_dir(
+                local.step, local.path, metadata, progress=update, allow_older=allow_older
+            )
+            for local in todo
+        ]
+    seconds = time.perf_counter() - started
+    if plan.run:
+        _emit_run_push(ctx, store, local_dir, pushed, [s.step for s in skipped], seconds)
+    elif pushed:
+        info = pushed[0]
+        emit(
+            ctx,
+            {**_step_summary(info, seconds), "skipped": False},
+            f"pushed {plan.steps[0].path} as step {info.step} to {store.uri}: "
+            f"{plural(len(info.files), 'file')}, {human_size(info.size)} in {seconds:.2f} s",
+        )
+    else:
+        info = store.info(skipped[0].step)
+        emit(
+            ctx,
+            {**_step_summary(info, seconds), "skipped": True},
+            f"step {info.step} is already committed in {store.uri} with the same files as "
+            f"{skipped[0].path}; nothing to push",
+        )
+
+
+def _push_plan(store: CheckpointStore, plan: LocalPush) -> tuple[list[LocalStep], list[LocalStep]]:
+    """``(to push, to skip)``: a step committed with the same files is skipped, one committed
+    with other files is a ConflictError before anything is uploaded."""
+    todo, skipped = [], []
+    for local in plan.steps:
+        try:
+            info = store.info(local.step)
+        except NotFoundError:
+            todo.append(local)
+            continue
+        why = difference(local.path, info)
+        if why is not None:
+            raise ConflictError(
+                f"step {local.step} is already committed in {store.uri} with other files than "
+                f"{local.path} ({why}); committed steps are immutable. Push it as another "
+                f"step, or `ckptstore rm {store.uri} {local.step}` first. Nothing was pushed",
+                uri=info.uri,
+                step=local.step,
+            )
+        skipped.append(local)
+    return todo, skipped
+
+
+def _emit_run_push(
+    ctx: click.Context,
+    store: CheckpointStore,
+    local_dir: Path,
+    pushed: list[CheckpointInfo],
+    skipped: list[int],
+    seconds: float,
+) -> None:
+    files = sum(len(i.files) for i in pushed)
+    size = sum(i.size for i in pushed)
+    data = {
+        "uri": store.uri,
+        "local_dir": str(local_dir),
+        "pushed": [_step_summary(i) for i in pushed],
+        "skipped": skipped,
+        "files": files,
+        "size": size,
+        "seconds": round(seconds, 3),
+    }
+    lines = [f"nothing to push from {local_dir} to {store.uri}"]
+    if pushed:
+        lines = [
+            f"pushed {steps_text([i.step for i in pushed])} from {local_dir} to {store.uri}: "
+            f"{plural(files, 'file')}, {human_size(size)} in {seconds:.2f} s"
+        ]
+    if skipped:
+        lines.append(
+            f"skipped {steps_text(skipped)}: already committed in {store.uri} with the same files"
+        )
+    emit(ctx, data, "\n".join(lines))
+
+
+# -- pull ------------------------------------------------------------------------------------
 
 
 @click.command("pull")
 @click.argument("uri")
 @click.argument("local_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--step", type=STEP, help="The step to fetch (default: latest good step).")
+@click.argument("step", type=STEP, required=False)
+@click.option("--step", "step_option", type=STEP, help="Same as STEP.")
 @click.option(
     "--force",
     is_flag=True,
@@ -156,14 +291,15 @@ def push_command(
     help="Take back files an --exclude left out (repeatable). Excludes apply first, then "
     "includes, whatever their order here: --exclude '*' --include 'actor/*' pulls only actor/.",
 )
-@_progress_option
+@progress_option
 @common_options
 @click.pass_context
 def pull_command(
     ctx: click.Context,
     uri: str,
     local_dir: Path,
-    step: int | None,
+    step: StepRef | None,
+    step_option: StepRef | None,
     force: bool,
     delete: bool,
     exclude: Sequence[str],
@@ -172,20 +308,23 @@ def pull_command(
 ) -> None:
     """Download a committed step's files into LOCAL_DIR, every byte verified.
 
-    LOCAL_DIR must be new or empty (else --force or --delete); it appears only once the whole
-    step is downloaded and verified.
+    STEP defaults to latest, the newest step that verifies (a corrupt one is skipped with a
+    warning). LOCAL_DIR must be new or empty (else --force or --delete); it appears only once
+    the whole step is downloaded and verified.
     """
+    chosen = _one_step(step, step_option)
+    number = None if chosen in (None, LATEST) else int(chosen)  # latest: with its fallback
     store = open_store(ctx, uri)
-    expected = store.info(step) if step is not None else store.latest()
+    expected = store.info(number) if number is not None else store.latest()
     if expected is None:
         raise empty_store(store)
     takes = path_filter(include, exclude)
     total = sum(f.size for f in expected.files if takes(f.path))
     started = time.perf_counter()
-    with _bar(total, f"pull step {expected.step}", progress) as update:
+    with progress_bar(total, f"pull step {expected.step}", progress) as update:
         info = store.pull_dir(
             local_dir,
-            step,
+            number,
             progress=update,
             force=force,
             delete=delete,
@@ -205,9 +344,9 @@ def pull_command(
         "partial": partial,
         "seconds": round(seconds, 3),
     }
-    what = f"{len(pulled)} files"
+    what = plural(len(pulled), "file")
     if partial:
-        what = f"{len(pulled)} of {len(info.files)} files (partial: --include/--exclude)"
+        what = f"{len(pulled)} of {plural(len(info.files), 'file')} (partial: --include/--exclude)"
     emit(
         ctx,
         data,
@@ -216,10 +355,14 @@ def pull_command(
     )
 
 
+# -- cp --------------------------------------------------------------------------------------
+
+
 @click.command("cp")
 @click.argument("src_uri")
 @click.argument("dst_uri")
-@click.option("--step", "steps", type=STEP, multiple=True, help="A step to copy (repeatable).")
+@click.argument("step", type=STEP, nargs=-1)
+@click.option("--step", "step_options", type=STEP, multiple=True, help="Same as STEP (repeatable).")
 @click.option(
     "--dst-storage-option",
     multiple=True,
@@ -227,21 +370,23 @@ def pull_command(
     help="Option for DST_URI only, over the global ones (another endpoint or account).",
 )
 @click.option("--dst-endpoint-url", metavar="URL", help="Endpoint for DST_URI only.")
-@_writer_options
-@_progress_option
+@writer_options
+@progress_option
 @common_options
 @click.pass_context
 def cp_command(
     ctx: click.Context,
     src_uri: str,
     dst_uri: str,
-    steps: Sequence[int],
+    step: Sequence[StepRef],
+    step_options: Sequence[StepRef],
     dst_storage_option: Sequence[str],
     dst_endpoint_url: str | None,
     takeover: bool,
     progress: bool | None,
 ) -> None:
-    """Replicate committed steps (default: all) from SRC_URI to DST_URI, verified."""
+    """Replicate committed steps (STEPs, default all; 'latest' is SRC_URI's) from SRC_URI
+    to DST_URI, verified. Steps DST_URI holds with the same files are skipped."""
     dst_options = dict(settings_of(ctx).storage_options)
     dst_options.update(parse_pair(p, "--dst-storage-option") for p in dst_storage_option)
     if dst_endpoint_url:
@@ -254,12 +399,13 @@ def cp_command(
         options=dst_options,
         takeover=takeover,
     )
-    chosen = [src.info(s) for s in steps] if steps else src.list()
+    numbers = sorted({resolve_step(src, s) for s in [*step, *step_options]})
+    chosen = [src.info(s) for s in numbers] if numbers else src.list()
     if not chosen:
         raise empty_store(src)
     todo = [i for i in chosen if not _has_step(dst, i.step)]
     started = time.perf_counter()
-    with _bar(sum(i.size for i in todo), "copy", progress) as update:
+    with progress_bar(sum(i.size for i in todo), "copy", progress) as update:
         copied = src.copy_to(dst, [i.step for i in chosen], progress=update)
     seconds = time.perf_counter() - started
     done = [i.step for i in copied]
@@ -273,10 +419,16 @@ def cp_command(
         "size": size,
         "seconds": round(seconds, 3),
     }
-    text = f"copied steps {step_list(done)} ({human_size(size)} in {seconds:.2f} s) to {dst.uri}"
+    lines = [f"copied nothing to {dst.uri}"]
+    if done:
+        files = sum(len(i.files) for i in copied)
+        lines = [
+            f"copied {steps_text(done)} to {dst.uri}: {plural(files, 'file')}, "
+            f"{human_size(size)} in {seconds:.2f} s"
+        ]
     if skipped:
-        text += f"\nskipped steps {step_list(skipped)}: already in {dst.uri} with the same files"
-    emit(ctx, data, text)
+        lines.append(f"skipped {steps_text(skipped)}: already in {dst.uri} with the same files")
+    emit(ctx, data, "\n".join(lines))
 
 
 def _has_step(store: CheckpointStore, step: int) -> bool:

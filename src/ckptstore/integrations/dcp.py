@@ -9,6 +9,9 @@ with their CRC32C, is the commit marker; DCP's ``.metadata`` is payload like the
 behind): a failure travels to ``finish`` as a marker in the rank's write results, and
 ``finish`` discards the step and raises, so nothing is committed and no staged file is left.
 Only the coordinator takes the writer lease, in ``prepare_global_plan``, before any upload.
+There it also reads ``latest`` and the previous step's manifest, once, and puts into each
+rank's plan (which DCP scatters anyway) the entry of that rank's file, so a rank reads neither:
+its staging costs the same whatever the number of ranks (README "Scale").
 
 Files are named as ``FileSystemWriter`` names them (``__<rank>_0.distcp``, ``.metadata``), so a
 step fetched with ``store.pull_dir`` (CLI: ``ckptstore pull``) also loads with plain
@@ -37,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint import filesystem as _filesystem
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -53,6 +56,7 @@ from torch.futures import Future
 
 from ckptstore import layout
 from ckptstore.backends.base import join
+from ckptstore.commit import Previous
 from ckptstore.distributed import Collectives, describe
 from ckptstore.errors import (
     CheckpointError,
@@ -67,6 +71,7 @@ from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.dcp_unpickle import check_weights_only, load_metadata, load_tensor
 from ckptstore.manifest import KIND_DIRECTORY, FileEntry
 from ckptstore.payload import SourceFile
+from ckptstore.saving import read_previous
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -89,6 +94,15 @@ class _Staged:
     rank: int
     entries: tuple[FileEntry, ...]
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """A rank's ``storage_data`` in the global plan: its file's prefix (as FileSystemWriter's
+    ``_StoragePrefix``) and the coordinator's word on the previous step."""
+
+    prefix: str
+    previous: Previous | None = None
 
 
 def _step_of(checkpoint_id: str | os.PathLike[str]) -> int:
@@ -115,6 +129,8 @@ class CkptStoreWriter(StorageWriter):
         self.save_id = str(uuid.uuid4())
         self.rank = 0
         self.is_coordinator = True
+        self._previous: Previous | None = None
+        """The coordinator's read of the previous step (``prepare_global_plan``)."""
 
     @property
     def checkpoint_id(self) -> str:
@@ -146,7 +162,8 @@ class CkptStoreWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator, before any rank writes: take the writer lease, check the step is new."""
+        """Coordinator, before any rank writes: take the writer lease, check the step is new,
+        and give each rank's plan the previous step's entry of its file."""
         self.store.wait()
         self.store.hold_lease()
         if self.store.backend.stat(layout.manifest_path(self.step)) is not None:
@@ -154,10 +171,15 @@ class CkptStoreWriter(StorageWriter):
                 f"step {self.step} is already committed in {self.store.uri}; committed steps "
                 "are immutable. Save under a new step, or `ckptstore rm` it first"
             )
-        return [
-            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_"))
-            for i, plan in enumerate(plans)
-        ]
+        previous = self._previous = read_previous(self.store, KIND_DIRECTORY)
+        by_path = {f.path: f for f in previous.files}
+
+        def plan_of(i: int) -> _RankPlan:
+            prefix = f"__{i}_"
+            entry = by_path.get(f"{prefix}0{DATA_SUFFIX}")
+            return _RankPlan(prefix, Previous(previous.step, (entry,) if entry else ()))
+
+        return [dataclasses.replace(p, storage_data=plan_of(i)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Stage this rank's items as one file; a failure travels to ``finish`` as a marker."""
@@ -169,7 +191,10 @@ class CkptStoreWriter(StorageWriter):
                 results, data = _serialize(plan, planner, name)
                 view = data.getbuffer()
                 source = SourceFile(name, lambda: iter((view,)), view.nbytes)
-                entries = self.store.stage_files(self.step, [source], kind=KIND_DIRECTORY)
+                previous = getattr(plan.storage_data, "previous", None)
+                entries = self.store.stage_files(
+                    self.step, [source], kind=KIND_DIRECTORY, previous=previous
+                )
             staged = _Staged(self.rank, tuple(entries))
         except Exception as e:
             log.exception("rank %d could not stage step %d", self.rank, self.step)
@@ -200,7 +225,10 @@ class CkptStoreWriter(StorageWriter):
         entries = [entry for s in staged for entry in s.entries]
         try:
             source = SourceFile(METADATA_FILE, lambda: iter((blob,)), len(blob))
-            entries += self.store.stage_files(self.step, [source], kind=KIND_DIRECTORY)
+            previous = self._previous.among([METADATA_FILE]) if self._previous else None
+            entries += self.store.stage_files(
+                self.step, [source], kind=KIND_DIRECTORY, previous=previous
+            )
         except BaseException:
             self.store.discard(self.step)
             raise

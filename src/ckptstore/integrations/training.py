@@ -1,4 +1,4 @@
-"""Checkpointing for a plain PyTorch training loop: save every N steps, resume from latest.
+"""Checkpointing for a plain PyTorch training loop: a save policy, preemption, resume.
 
 ::
 
@@ -7,37 +7,67 @@
 
     store = CheckpointStore("s3://bucket/run-1", keep_last=3, takeover=True)
     start = resume(store, model, optimizer, scheduler)  # 0 on an empty store
-    callback = CheckpointCallback(store, save_freq=500)
-    for step in range(start + 1, total_steps + 1):
-        train_one_step(model, optimizer, scheduler)
-        callback.on_step(step, model, optimizer, scheduler)
-    store.close()  # waits for the last async save
+    with CheckpointCallback(store, save_freq=500, save_interval_seconds=1800) as callback:
+        for step in range(start + 1, total_steps + 1):
+            loss = train_one_step(model, optimizer, scheduler)
+            callback.on_step(step, model, optimizer, scheduler, metrics={"loss": loss})
+            if callback.preempted:  # SIGTERM: the step is committed, exit cleanly
+                break
+    store.close()
 
 A step number counts completed optimizer steps: ``on_step(step, ...)`` runs after update
 ``step``, and ``resume`` returns the step of the checkpoint it restored, so the loop goes on at
 ``step + 1`` (and starts at 1 on an empty store).
 
+**When to save.** Every ``save_freq`` steps, every ``save_interval_seconds`` (whichever comes
+first), and whenever a ``should_save(step, metrics)`` hook says so: it returns True to force a
+save, False to veto a scheduled one, None to follow the schedule. Each manifest's metadata
+holds the metrics passed to ``on_step`` and a ``reason`` (``schedule``, ``should_save``,
+``preempted``, ``end``, ``manual``).
+
+**Preemption is handled by default.** Schedulers (Kubernetes, Slurm, spot reclaimers) send
+SIGTERM, then SIGKILL after a grace period. Python's default is to die at once, losing every
+step since the last save, so the callback installs a handler (opt out with
+``preemption_signals=()``; add ``SIGUSR1`` for Slurm's ``--signal``). The handler only sets a
+flag: a save from inside a signal handler could run in the middle of an optimizer step. The
+next ``on_step`` saves synchronously (``reason: "preempted"``), waits for the commit, and sets
+``preempted``. A loop that does not check ``preempted`` is not left running until SIGKILL:
+its next ``on_step`` hands the signal to the previous handler (by default: the process dies,
+now with its work committed), and so does a second signal before the save. ``close()`` puts
+the previous handler back.
+
+**The end of training.** ``on_train_end(step, ...)``, or leaving the ``with`` block without an
+exception, saves the last step unless it is already committed, and waits for it.
+
 A job restarted after preemption should open its store with ``takeover=True``: the killed job
 may still hold the writer lease, which would otherwise refuse the first save until it expires.
 
-Restoring the RNGs (torch CPU, CUDA when available, Python ``random``, NumPy's global
-generator) makes a resumed run draw the same dropout masks and shuffles as an uninterrupted
-one. The safe format holds no ndarrays, so NumPy's state travels as a tensor and JSON values.
-This is for one process; multi-rank jobs use ``ckptstore.distributed`` or the DCP integration.
+What a step holds and how ``resume`` restores it is training_state.py's. This is for one
+process; multi-rank jobs use ``ckptstore.distributed`` or the DCP integration.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ckptstore import layout
-from ckptstore.errors import ConfigError, ErrorContext, NotFoundError
+from ckptstore.errors import CheckpointError, ConfigError
+from ckptstore.integrations.training_state import (
+    Stateful,
+    resume,
+    rng_state,
+    set_rng_state,
+    training_state,
+)
 
 if TYPE_CHECKING:
     from ckptstore.background import SaveHandle
@@ -46,29 +76,63 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-class Stateful(Protocol):
-    """Anything with ``state_dict()`` and ``load_state_dict()``: models, optimizers, schedulers."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+ShouldSave = Callable[[int, Mapping[str, Any]], "bool | None"]
+"""``should_save(step, metrics)``: True forces a save, False vetoes one, None: the schedule."""
+_SignalHandler = Callable[[int, "FrameType | None"], Any] | int | None
+_Objects = tuple["Stateful", "Stateful", "Stateful | None", "Mapping[str, Any] | None"]
 
 
 class CheckpointCallback:
-    """Saves model, optimizer, scheduler, RNG states and ``extra`` every ``save_freq`` steps.
+    """Saves model, optimizer, scheduler, RNG states and ``extra`` when the policy says so.
 
-    Saves run in the background by default (the loop waits only for the copy of the tensors);
-    a failed save is raised by the next one, or by ``store.wait()`` / ``store.close()``.
-    The store's retention applies after each commit.
+    Scheduled saves run in the background by default (the loop waits only for the copy of the
+    tensors); a failed save is raised by the next one, or by ``close()`` / ``store.wait()``.
+    Preemption and end-of-training saves are synchronous. The store's retention applies after
+    each commit. See the module docstring for the policy.
     """
 
-    def __init__(self, store: CheckpointStore, save_freq: int, *, async_save: bool = True) -> None:
-        if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        save_freq: int | None = None,
+        *,
+        async_save: bool = True,
+        save_interval_seconds: float | None = None,
+        should_save: ShouldSave | None = None,
+        preemption_signals: Sequence[int] = (signal.SIGTERM,),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if save_freq is not None and (
+            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
+        ):
             raise ConfigError(f"save_freq must be a positive number of steps, got {save_freq!r}")
+        if save_interval_seconds is not None and (
+            isinstance(save_interval_seconds, bool)
+            or not isinstance(save_interval_seconds, (int, float))
+            or not save_interval_seconds > 0
+        ):
+            raise ConfigError(
+                "save_interval_seconds must be a positive number of seconds, got "
+                f"{save_interval_seconds!r}"
+            )
         self.store = store
         self.save_freq = save_freq
+        self.save_interval_seconds = save_interval_seconds
+        self.should_save = should_save
         self.async_save = async_save
+        self.clock = clock
+        self.preempted = False
+        """True once a preemption signal arrived and its step is committed: exit the loop."""
+        self.last_saved_step: int | None = None
+        self._last_save_time = clock()
+        self._signal: int | None = None
+        self._passed_on = False
+        self._closed = False
+        self._previous: dict[int, _SignalHandler] = {}
+        self._last_call: tuple[Any, ...] | None = None
+        self._install(preemption_signals)
+
+    # -- the loop's calls ----------------------------------------------------------------
 
     def on_step(
         self,
@@ -77,11 +141,37 @@ class CheckpointCallback:
         optimizer: Stateful,
         scheduler: Stateful | None = None,
         extra: Mapping[str, Any] | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
     ) -> SaveHandle[CheckpointInfo] | CheckpointInfo | None:
-        """Call after update ``step``; saves when ``step`` is a multiple of ``save_freq``."""
-        if step % self.save_freq:
+        """Call after update ``step``; saves when the policy (or a preemption) says so.
+
+        Returns the save's handle (async) or info (sync), or None when nothing was saved.
+        """
+        self._last_call = (step, model, optimizer, scheduler, extra, metrics)
+        if self.preempted and not self._passed_on:
+            self._pass_on_signal()  # the loop did not stop: do what the signal did before us
+        elif self._signal is not None and not self.preempted:
+            return self._save_preempted(step, model, optimizer, scheduler, extra, metrics)
+        reason = self._reason(step, metrics)
+        if reason is None:
             return None
-        return self.save(step, model, optimizer, scheduler, extra)
+        return self._save(step, (model, optimizer, scheduler, extra), metrics, reason, sync=False)
+
+    def on_train_end(
+        self,
+        step: int,
+        model: Stateful,
+        optimizer: Stateful,
+        scheduler: Stateful | None = None,
+        extra: Mapping[str, Any] | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> CheckpointInfo | None:
+        """Save ``step`` and wait for its commit, unless it is committed already (None)."""
+        if self._already_saved(step):
+            return None
+        return self._sync(step, (model, optimizer, scheduler, extra), metrics, "end")
 
     def save(
         self,
@@ -90,118 +180,199 @@ class CheckpointCallback:
         optimizer: Stateful,
         scheduler: Stateful | None = None,
         extra: Mapping[str, Any] | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
     ) -> SaveHandle[CheckpointInfo] | CheckpointInfo:
-        """Save now, whatever the step (at the end of training, say)."""
-        state = training_state(model, optimizer, scheduler, extra)
-        if self.async_save:
-            return self.store.save_async(step, state)
-        return self.store.save(step, state)
+        """Save now, whatever the policy (``reason: "manual"``)."""
+        return self._save(step, (model, optimizer, scheduler, extra), metrics, "manual", False)
 
+    def close(self) -> None:
+        """Put the previous signal handlers back, then wait for the save in flight."""
+        self._uninstall()
+        self.store.wait()
 
-def training_state(
-    model: Stateful,
-    optimizer: Stateful,
-    scheduler: Stateful | None = None,
-    extra: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """What ``CheckpointCallback`` saves (and ``resume`` restores)."""
-    return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng": rng_state(),
-        "extra": dict(extra) if extra is not None else None,
-    }
+    def __enter__(self) -> CheckpointCallback:
+        return self
 
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        """On a clean exit, save the step last passed to ``on_step`` unless it is saved."""
+        try:
+            if kind is None and self._last_call is not None:
+                step, model, optimizer, scheduler, extra, metrics = self._last_call
+                self.on_train_end(step, model, optimizer, scheduler, extra, metrics=metrics)
+        finally:
+            self.close()
 
-def resume(
-    store: CheckpointStore,
-    model: Stateful,
-    optimizer: Stateful,
-    scheduler: Stateful | None = None,
-    *,
-    extra: dict[str, Any] | None = None,
-) -> int:
-    """Restore the latest checkpoint into the given objects; returns its step (0 if none).
+    # -- the policy ----------------------------------------------------------------------
 
-    Only an empty store means "start from 0" (logged at INFO); any other failure (a wrong
-    URI, a missing bucket, bad credentials) raises, so a job never silently restarts from
-    scratch. A latest step that fails verification is skipped with a warning for the newest
-    good one. ``extra``, if given, is updated with the ``extra`` saved by ``on_step``.
-    """
-    try:
-        state = store.load()
-    except NotFoundError:
-        if store.latest() is not None:  # something else is missing: not an empty store
-            raise
-        log.info("%s holds no checkpoint; starting from step 0", store.uri)
-        return 0
-    info = store.last_loaded
-    if info is None:  # load() always sets it; keeps the type checker honest
-        raise NotFoundError(f"{store.uri}: loaded a state but not its step", uri=store.uri)
-    try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None:
-            if state["scheduler"] is None:
-                raise ConfigError(
-                    f"{info.uri} was saved without a scheduler; pass none", **_step_context(info)
-                )
-            scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-    except (KeyError, TypeError) as e:
-        raise ConfigError(
-            f"{info.uri} was not saved by CheckpointCallback (missing {e}); load it with "
-            "store.load() and restore it yourself",
-            **_step_context(info),
-        ) from e
-    if extra is not None and state["extra"] is not None:
-        extra.update(state["extra"])
-    log.info("resumed from %s", info.uri)
-    return info.step
+    def due(self, step: int) -> bool:
+        """Whether the schedule (``save_freq``, ``save_interval_seconds``) wants ``step``."""
+        if self.save_freq is not None and step % self.save_freq == 0:
+            return True
+        interval = self.save_interval_seconds
+        return interval is not None and self.clock() - self._last_save_time >= interval
 
-
-def _step_context(info: CheckpointInfo) -> ErrorContext:
-    """``uri``, ``step``, ``path`` of an error about a whole committed step: its directory's."""
-    return {"uri": info.uri, "step": info.step, "path": layout.step_dir(info.step)}
-
-
-def rng_state() -> dict[str, Any]:
-    """Every global RNG's state, in values the safe format holds."""
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": random.getstate(),
-        "numpy": {
-            "name": str(name),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-    }
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what ``rng_state`` returned."""
-    torch.set_rng_state(state["torch"])
-    cuda = list(state["cuda"])
-    if cuda and torch.cuda.is_available():
-        if len(cuda) != torch.cuda.device_count():
-            log.warning(
-                "saved %d CUDA RNG states, but %d devices are visible; restoring what fits",
-                len(cuda),
-                torch.cuda.device_count(),
+    def _reason(self, step: int, metrics: Mapping[str, Any] | None) -> str | None:
+        due = self.due(step)
+        if self.should_save is None:
+            return "schedule" if due else None
+        verdict = self.should_save(step, dict(metrics or {}))
+        if verdict is None:
+            return "schedule" if due else None
+        if not isinstance(verdict, bool):
+            raise ConfigError(
+                f"should_save must return True (save), False (skip) or None (follow the "
+                f"schedule), got {verdict!r} for step {step}"
             )
-        for device, cuda_state in enumerate(cuda[: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, device)
-    elif cuda:
-        log.warning("saved CUDA RNG states, but no CUDA device is visible; not restored")
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    numpy = state["numpy"]
-    keys = numpy["keys"].numpy().astype(np.uint32)
-    np.random.set_state(
-        (numpy["name"], keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"])
-    )
+        if verdict:
+            return "schedule" if due else "should_save"
+        return None
+
+    # -- saving --------------------------------------------------------------------------
+
+    def _save(
+        self,
+        step: int,
+        objects: _Objects,
+        metrics: Mapping[str, Any] | None,
+        reason: str,
+        sync: bool,
+    ) -> SaveHandle[CheckpointInfo] | CheckpointInfo:
+        if sync or not self.async_save:
+            return self._sync(step, objects, metrics, reason)
+        handle = self.store.save_async(step, training_state(*objects), _metadata(metrics, reason))
+        self._saved(step)
+        return handle
+
+    def _sync(
+        self, step: int, objects: _Objects, metrics: Mapping[str, Any] | None, reason: str
+    ) -> CheckpointInfo:
+        info = self.store.save(step, training_state(*objects), _metadata(metrics, reason))
+        self._saved(step)
+        return info
+
+    def _saved(self, step: int) -> None:
+        self.last_saved_step = step
+        self._last_save_time = self.clock()
+
+    def _already_saved(self, step: int) -> bool:
+        """Whether ``step`` is committed (waiting for the save in flight first); a step behind
+        ``latest`` counts as saved, with a warning, since saving it would go backwards."""
+        self.store.wait()
+        if self.last_saved_step == step:
+            return True
+        latest = self.store.latest()
+        if latest is None or latest.step < step:
+            return False
+        if latest.step > step:
+            log.warning(
+                "%s: not saving step %d, older than the latest step %d",
+                self.store.uri,
+                step,
+                latest.step,
+            )
+        return True
+
+    def _save_preempted(
+        self,
+        step: int,
+        model: Stateful,
+        optimizer: Stateful,
+        scheduler: Stateful | None,
+        extra: Mapping[str, Any] | None,
+        metrics: Mapping[str, Any] | None,
+    ) -> CheckpointInfo | None:
+        log.warning("%s: preempted (signal %s); saving step %d", self.store.uri, self._signal, step)
+        try:
+            self.store.wait()
+        except CheckpointError as e:  # the grace period is for this save: report, go on
+            log.error("%s: the save before the preemption failed: %s", self.store.uri, e)
+        info = None
+        if not self._already_saved(step):
+            info = self._sync(step, (model, optimizer, scheduler, extra), metrics, "preempted")
+        self.preempted = True
+        return info
+
+    # -- signals -------------------------------------------------------------------------
+
+    def _install(self, signals: Sequence[int]) -> None:
+        if not signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.warning(
+                "CheckpointCallback created outside the main thread: no preemption handler "
+                "(signal handlers can only be set from the main thread)"
+            )
+            return
+        for number in signals:
+            self._previous[number] = signal.signal(number, self._on_signal)
+
+    def _on_signal(self, number: int, frame: FrameType | None) -> None:
+        if self._closed:  # closed while a later handler was on top, which put this one back
+            self._forward(number, frame)
+        elif self._signal is not None:  # a second signal: do what was done before us, now
+            self._pass_on_signal(number)
+        else:
+            self._signal = number
+
+    def _pass_on_signal(self, number: int | None = None) -> None:
+        """Put the previous handlers back and raise the signal again, once."""
+        number = number if number is not None else self._signal
+        self._passed_on = True
+        self._uninstall()
+        if number is not None:
+            signal.raise_signal(number)
+
+    def _forward(self, number: int, frame: FrameType | None) -> None:
+        previous = self._previous.get(number)
+        if callable(previous):
+            previous(number, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(number, signal.SIG_DFL)
+            signal.raise_signal(number)
+
+    def _uninstall(self) -> None:
+        """Put back each previous handler where this one is still on top; elsewhere this
+        handler stays in the chain, and forwards what it gets from now on."""
+        self._closed = True
+        for number, previous in self._previous.items():
+            if signal.getsignal(number) == self._on_signal:
+                signal.signal(number, signal.SIG_DFL if previous is None else previous)
+
+
+def _metadata(metrics: Mapping[str, Any] | None, reason: str) -> dict[str, Any]:
+    return {**plain_metrics(metrics), "reason": reason}
+
+
+def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``metrics`` as JSON values for a manifest: one-element tensors and NumPy scalars become
+    Python numbers, and NaN or infinities the strings ``"nan"``, ``"inf"``, ``"-inf"`` (JSON
+    cannot hold them, and a diverged loss must not make the save fail)."""
+    result: dict[str, Any] = {}
+    for key, value in (metrics or {}).items():
+        value = _number(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            value = repr(value)
+        result[str(key)] = value
+    return result
+
+
+def _number(value: Any) -> Any:
+    """A one-element tensor or NumPy value as a Python number; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (np.generic, np.ndarray)) and value.size == 1:
+        return value.item()
+    return value
+
+
+__all__ = [
+    "CheckpointCallback",
+    "ShouldSave",
+    "Stateful",
+    "plain_metrics",
+    "resume",
+    "rng_state",
+    "set_rng_state",
+    "training_state",
+]

@@ -12,8 +12,11 @@ it builds the class named there on the driver in ``PPOTrainer.__init__`` and cal
   verified, falling back past corrupt steps with a warning, and write
   ``latest_checkpointed_iteration.txt``; verl's own load then finds it. With
   ``resume_mode=resume_path`` and ``resume_from_path`` naming a step in the store, that step is
-  pulled and ``resume_from_path`` rewritten to the local copy. Only "the store is empty" starts
-  from scratch; any other error (unreachable bucket, bad credentials, nothing verifies) raises.
+  pulled and ``resume_from_path`` rewritten to the local copy. A step saved on another world
+  size than ``nnodes x n_gpus_per_node`` is resharded in place on every node before the
+  tracker names it (verl_reshard.py); the store's step is left as it was. Only "the store is
+  empty" starts from scratch; any other error (unreachable bucket, bad credentials, nothing
+  verifies) raises.
 * **on_save**: commit ``global_step_N`` as one step. Every node stages the files it holds
   (verl_nodes.py: one Ray actor per node on multi-node Ray clusters, in-process otherwise), and
   the driver commits one manifest after every node reported and the files add up to a whole
@@ -69,6 +72,8 @@ class Resume:
     step: int | None
     source: str
     skipped: tuple[int, ...] = ()
+    resharded_from: int | None = None
+    """The world size the step was saved on, when it was resharded for this job's."""
 
 
 class CkptstoreCallback:
@@ -224,10 +229,11 @@ def _prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) ->
         if step is None:
             return Resume(None, "local")  # a local path: verl loads it as usual
         _everywhere(fleet, "sync", (step,))  # an explicit step: no fallback
+        resharded = _reshard(fleet, run, step)
         _everywhere(fleet, "write_tracker", (step,))
         local_copy = os.path.join(run.local_dir, layout.step_dir(step))
         config_set(config, "trainer.resume_from_path", local_copy)
-        return Resume(step, "store")
+        return Resume(step, "store", resharded_from=resharded)
     if run.resume_mode != "auto":
         raise ConfigError(
             f"trainer.resume_mode must be auto, disable or resume_path, got {run.resume_mode!r}"
@@ -261,8 +267,11 @@ def _prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) ->
                 local,
             )
     others = [n for n in fleet.nodes() if n != driver]
-    if step is not None and (source == "store" or step in committed):
+    pulled = step is not None and (source == "store" or step in committed)
+    if pulled:
         fleet.call("sync", {n: (step,) for n in others})
+    resharded = _reshard(fleet, run, step) if step is not None else None
+    if pulled:
         _everywhere(fleet, "write_tracker", (step,))
     if skipped:
         log.warning(
@@ -273,7 +282,27 @@ def _prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) ->
             store.uri,
         )
     log.info("ckptstore: verl resumes from step %s (%s)", step, source)
-    return Resume(step, source, skipped)
+    return Resume(step, source, skipped, resharded)
+
+
+def _reshard(fleet: Fleet, run: VerlRun, step: int) -> int | None:
+    """Reshard ``global_step_<step>`` on every node for this job's ``nnodes x
+    n_gpus_per_node`` ranks if it was saved on another number (before the tracker names it,
+    so an interrupted reshard never looks like a checkpoint); the world size it had, or None."""
+    if run.world_size is None:
+        return None
+    found = {w for w in _everywhere(fleet, "reshard", (step, run.world_size)).values() if w}
+    if found:
+        log.warning(
+            "step %d was saved on %s ranks; resharded for %d ranks (trainer.nnodes x "
+            "trainer.n_gpus_per_node). Model and optimizer state are exact; RNG states are "
+            "those of rank r mod %s, so sampling differs from a run on the old world size",
+            step,
+            ", ".join(map(str, sorted(found))),
+            run.world_size,
+            min(found),
+        )
+    return min(found) if found else None
 
 
 def _everywhere(fleet: Fleet, method: str, args: tuple[Any, ...]) -> dict[str, Any]:

@@ -8,12 +8,15 @@ access and ``Mapping`` are used, so reading the config needs neither omegaconf n
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from ckptstore.errors import ConfigError
+from ckptstore.lease import DEFAULT_TTL
+from ckptstore.retention import BEST_MODES, RetentionPolicy
 from ckptstore.store import CheckpointStore
 
 SECTION = "trainer.ckptstore"
@@ -37,13 +40,26 @@ class VerlStoreConfig:
     or ``auto``: per node when Ray runs on more than one node."""
     prune_local: bool = True
     """Delete local step directories beyond ``max_actor_ckpt_to_keep`` once committed."""
+    keep_best: int | None = None
+    """Also keep the N best steps by ``best_metric``, a number in each step's metadata."""
+    best_metric: str | None = None
+    best_mode: Literal["min", "max"] | None = None
+    keep_every_seconds: float | None = None
+    """Also keep one step per this many seconds of commit time."""
+    lease_ttl: float = DEFAULT_TTL
+    """Seconds before a dead driver's writer lease expires and a restart may take it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str) or not self.uri.strip():
             raise ConfigError(
                 f"{SECTION}.uri must name the store (like s3://bucket/run), got {self.uri!r}"
             )
-        for name in ("keep_last", "keep_every"):
+        self._check_types()
+        self._check_retention_and_lease()
+        self._check_store_rules()
+
+    def _check_types(self) -> None:
+        for name in ("keep_last", "keep_every", "keep_best"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -71,6 +87,50 @@ class VerlStoreConfig:
                 uri=self.uri,
             )
 
+    def _check_retention_and_lease(self) -> None:
+        if self.best_metric is not None and (
+            not isinstance(self.best_metric, str) or not self.best_metric
+        ):
+            raise ConfigError(
+                f"{SECTION}.best_metric must be a metadata key (a non-empty string) or null, "
+                f"got {self.best_metric!r}",
+                uri=self.uri,
+            )
+        if self.best_mode is not None and self.best_mode not in BEST_MODES:
+            raise ConfigError(
+                f"{SECTION}.best_mode must be min (lower is better, a loss) or max (higher is "
+                f"better, an accuracy), got {self.best_mode!r}",
+                uri=self.uri,
+            )
+        seconds = self.keep_every_seconds
+        if seconds is not None and not (_is_number(seconds) and math.isfinite(seconds)):
+            raise ConfigError(
+                f"{SECTION}.keep_every_seconds must be a positive number of seconds or null, "
+                f"got {seconds!r}",
+                uri=self.uri,
+            )
+        if not _is_number(self.lease_ttl):
+            raise ConfigError(
+                f"{SECTION}.lease_ttl must be a positive number of seconds (.inf: never "
+                f"expires), got {self.lease_ttl!r}",
+                uri=self.uri,
+            )
+
+    def _check_store_rules(self) -> None:
+        """The rules between keys (keep_best needs best_metric and best_mode, ...) are the
+        store's own: ask it now, at start, and name the section in its message."""
+        try:
+            RetentionPolicy(
+                self.keep_last,
+                self.keep_every,
+                keep_best=self.keep_best,
+                best_metric=self.best_metric,
+                best_mode=self.best_mode,
+                keep_every_seconds=self.keep_every_seconds,
+            )
+        except ConfigError as e:
+            raise ConfigError(f"{SECTION}: {e}", uri=self.uri) from e
+
     @classmethod
     def from_verl(cls, config: Any) -> VerlStoreConfig:
         section = config_get(config, SECTION)
@@ -93,12 +153,18 @@ class VerlStoreConfig:
         return cls(**values)
 
     def open(self) -> CheckpointStore:
+        """The store with every retention rule and lease setting of the section."""
         return CheckpointStore(
             self.uri,
             keep_last=self.keep_last,
             keep_every=self.keep_every,
+            keep_best=self.keep_best,
+            best_metric=self.best_metric,
+            best_mode=self.best_mode,
+            keep_every_seconds=self.keep_every_seconds,
             storage_options=self.storage_options,
             takeover=self.takeover,
+            lease_ttl=self.lease_ttl,
         )
 
 
@@ -161,6 +227,11 @@ def config_set(config: Any, path: str, value: Any) -> None:
     for key in parents:
         node = node[key]
     node[last] = value
+
+
+def _is_number(value: object) -> bool:
+    """A positive int or float (YAML's ``.inf`` included), not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _plain(value: Any) -> Any:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from ckptstore import layout
 from ckptstore.backends.fsutil import TMP_PREFIX, atomic_write, temp_name
+from ckptstore.commit import Previous
 from ckptstore.errors import (
     BackendError,
     CheckpointError,
@@ -86,8 +87,14 @@ class NodeAgent:
             return []
         return [(rel, size) for rel, size, _ in _scan(root)]
 
-    def stage(self, step: int, paths: Sequence[str]) -> list[FileEntry]:
-        """Upload this node's share of ``step`` (uncommitted); returns the manifest entries."""
+    def stage(
+        self, step: int, paths: Sequence[str], previous: Previous | None = None
+    ) -> list[FileEntry]:
+        """Upload this node's share of ``step`` (uncommitted); returns the manifest entries.
+
+        ``previous``: the driver's one read of the previous step, cut to ``paths``
+        (``read_previous(store, KIND_DIRECTORY).among(paths)``); None: the agent reads
+        ``latest`` and the whole previous manifest itself."""
         if not paths:
             return []
         root = self.step_dir(step)
@@ -95,7 +102,7 @@ class NodeAgent:
         for rel in paths:
             path = root / rel
             files.append(SourceFile(rel, _reader(path), path.stat().st_size))
-        return self.store.stage_files(step, files, kind=KIND_DIRECTORY)
+        return self.store.stage_files(step, files, kind=KIND_DIRECTORY, previous=previous)
 
     def pull(self, steps: Sequence[int]) -> int:
         """Pull the first of ``steps`` that passes verification into ``global_step_N``.
@@ -141,6 +148,24 @@ class NodeAgent:
             if tmp.exists():
                 _discard_dir(tmp)
         log.info("pulled step %d from %s into %s", step, self.store.uri, self.step_dir(step))
+
+    def reshard(self, step: int, world_size: int) -> int | None:
+        """Rewrite this node's ``global_step_N`` for ``world_size`` ranks if verl saved it on
+        another world size (verl_reshard.py). Returns the world size it was saved on, or None
+        when nothing changed (already ``world_size``, or this node does not hold the step)."""
+        from ckptstore.integrations.verl_reshard import reshard_in_place
+
+        done = reshard_in_place(self.step_dir(step), world_size)
+        if done is None:
+            return None
+        log.info(
+            "resharded step %d in %s from %d to %d ranks",
+            step,
+            self.local_dir,
+            done.source_world_size,
+            world_size,
+        )
+        return done.source_world_size
 
     def tracked_step(self) -> int | None:
         """The step ``latest_checkpointed_iteration.txt`` names, if its directory exists."""

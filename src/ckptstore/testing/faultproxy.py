@@ -15,6 +15,10 @@ endpoint. Faults are drawn per request from a seeded RNG at ``rate``:
   connection is closed.
 * ``delay``: forwarded after a random pause of up to ``max_delay`` seconds.
 
+``throttle`` (a :class:`~ckptstore.testing.throttle.Throttle`) adds S3's request-rate limit: a
+request beyond its prefix's rate is answered ``503 SlowDown`` with S3's XML error body and
+never reaches the server, whatever ``rate`` draws (see throttle.py for the model).
+
 ``quirk`` emulates one way an S3-compatible server differs from S3 (see :data:`QUIRKS`), by
 rewriting or refusing requests and responses. The proxy strips or rewrites some signed headers
 to do so; moto does not verify signatures, a real server would refuse such requests.
@@ -37,6 +41,8 @@ from http.client import HTTPConnection, HTTPResponse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from ckptstore.testing.throttle import Throttle
 
 FAULTS = ("500", "503", "reset", "truncate", "delay")
 QUIRKS = {
@@ -105,6 +111,7 @@ class FaultProxy:
         quirk: str | None = None,
         operations: frozenset[str] | None = None,
         max_delay: float = 0.3,
+        throttle: Throttle | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -125,6 +132,8 @@ class FaultProxy:
         self.operations = operations
         """Only requests for these S3 operations get faults (None: every request)."""
         self.max_delay = max_delay
+        self.throttle = throttle
+        """S3's rate limit per prefix (None: no limit); its counters say what it refused."""
         self.injected: Counter[str] = Counter()
         """Faults injected so far, by kind."""
         self.seen: Counter[str] = Counter()
@@ -209,6 +218,10 @@ class _Handler(BaseHTTPRequestHandler):
         op = operation(self.command, split.path, query, self.headers)
         conditions = [h for h in ("If-Match", "If-None-Match") if self.headers.get(h) is not None]
         fault, delay = proxy.choose(op, conditions)
+        throttle = proxy.throttle
+        if throttle is not None and not throttle.admit(op, _partition_path(split.path, query)):
+            self._send_error("503", split.path)
+            return
         if fault in ("500", "503"):
             self._send_error(fault, split.path)
             return
@@ -308,6 +321,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
+
+
+def _partition_path(path: str, query: Mapping[str, list[str]]) -> str:
+    """``/bucket/key`` for an object; a listing's partition is the one of its ``prefix``."""
+    bucket, _, key = path.lstrip("/").partition("/")
+    if not key and query.get("prefix"):
+        key = query["prefix"][0]
+    return f"/{bucket}/{key}"
 
 
 def _stream(resp: HTTPResponse) -> Iterator[bytes]:

@@ -13,14 +13,22 @@ objects live in this process's memory and vanish with it.
 
 moto is imported inside :meth:`LocalS3Server.start`: it takes about a second to import, and
 only the demo and tests need it (``pip install 'ckptstore[demo]'``).
+
+``python -m ckptstore.testing.s3server --port 5000 --bucket demo`` serves it in the foreground,
+for trying S3 stores on a machine without Docker; it prints the settings a shell needs.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import logging
+import sys
+import threading
+from collections.abc import Sequence
 from typing import Any
 
-from ckptstore.errors import BackendError, ConfigError
+from ckptstore.errors import BackendError, CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -135,3 +143,37 @@ class LocalS3Server:
                 f"{self.endpoint_url}: {e}"
             ) from e
         return f"s3://{name}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve until Ctrl-C, printing how to point ckptstore at the server."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ckptstore.testing.s3server",
+        description="An in-memory S3 server (moto) on 127.0.0.1 for trying ckptstore.",
+    )
+    parser.add_argument("--port", type=int, default=5000, help="0 lets the OS choose")
+    parser.add_argument("--bucket", action="append", default=[], help="create (repeatable)")
+    args = parser.parse_args(argv)
+    with LocalS3Server(port=args.port) as server:
+        try:
+            for bucket in args.bucket:
+                server.create_bucket(bucket)
+        except CheckpointError as e:
+            print(f"s3server: error: {e}", file=sys.stderr)
+            return 2
+        print(
+            f"S3 server (moto, in memory) at {server.endpoint_url}; "
+            f"buckets: {', '.join(args.bucket) or 'none yet (ckptstore mb s3://NAME)'}\n"
+            "In another shell:\n"
+            f"  export AWS_ENDPOINT_URL={server.endpoint_url} AWS_ACCESS_KEY_ID={DUMMY_KEY} "
+            f"AWS_SECRET_ACCESS_KEY={DUMMY_SECRET} AWS_REGION={REGION}\n"
+            "Ctrl-C stops it; the objects vanish with it.",
+            flush=True,
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
