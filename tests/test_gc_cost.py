@@ -17,45 +17,14 @@ from typing import Any
 import pytest
 
 from ckptstore import CheckpointStore, layout
-from ckptstore.backends.base import Backend, BackendProxy, ObjectInfo
+from ckptstore.backends.base import BackendProxy
 from ckptstore.errors import NotFoundError
 from ckptstore.garbage import TOMBSTONE_MAX_SIZE
 from ckptstore.manifest import KIND_STATE, encode_tombstone
 from ckptstore.payload import SourceFile
+from counting import CountingBackend
 
 DAY = 86400.0
-
-
-class Counting(BackendProxy):
-    """Counts listings and reads, telling manifest reads apart."""
-
-    def __init__(self, inner: Backend) -> None:
-        super().__init__(inner)
-        self.calls: Counter[str] = Counter()
-
-    def _read(self, path: str) -> None:
-        manifest = path.endswith("/" + layout.MANIFEST_NAME)
-        self.calls["manifest GET" if manifest else "other GET"] += 1
-
-    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        self._read(path)
-        return super().read(path, start, end)
-
-    def read_versioned(self, path: str) -> tuple[bytes, str]:
-        self._read(path)
-        return super().read_versioned(path)
-
-    def stat(self, path: str) -> ObjectInfo | None:
-        self.calls["HEAD"] += 1
-        return super().stat(path)
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        self.calls["LIST"] += 1
-        return super().list(prefix)
-
-    def list_dirs(self, prefix: str) -> list[str]:
-        self.calls["LIST dirs"] += 1
-        return super().list_dirs(prefix)
 
 
 @pytest.fixture
@@ -65,9 +34,9 @@ def opened(backend_uri: tuple[str, dict[str, Any]]) -> Iterator[CheckpointStore]
         yield store
 
 
-def counted(store: CheckpointStore) -> tuple[CheckpointStore, Counting]:
+def counted(store: CheckpointStore) -> tuple[CheckpointStore, CountingBackend]:
     """A fresh store object (nothing remembered) over a counting view of the same backend."""
-    backend = Counting(store.backend)
+    backend = CountingBackend(store.backend, heads=True)
     return CheckpointStore(store.uri, backend=backend, lease=False), backend
 
 

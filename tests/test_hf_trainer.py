@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -203,3 +205,11 @@ def test_a_save_about_to_happen_waits_for_the_push_in_flight(tmp_path: Path) -> 
         release.set()
         waiter.join(timeout=30)
         assert pushed == [2] and errors == ["disk went away"]
+
+
+def test_without_transformers_the_import_names_the_extra_to_install() -> None:
+    hide = "import sys; sys.modules['transformers'] = None; "
+    code = hide + "import ckptstore.integrations.hf_trainer"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "pip install 'ckptstore[transformers]'" in done.stderr, done.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -199,3 +201,11 @@ def test_objects_the_safe_format_cannot_hold_need_allow_pickle(tmp_path: Path) -
     io.save_checkpoint(checkpoint, "/x/a.ckpt")
     assert io.load_checkpoint("/x/a.ckpt")["hyper_parameters"]["config"].lr == 0.1
     io.teardown()
+
+
+def test_without_lightning_the_import_names_the_extra_to_install() -> None:
+    hide = "import sys; sys.modules['lightning'] = None; "
+    code = hide + "import ckptstore.integrations.lightning"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "pip install 'ckptstore[lightning]'" in done.stderr, done.stderr

@@ -8,7 +8,6 @@ cluster's bill.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,57 +15,16 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, layout
-from ckptstore.backends.base import Backend, BackendProxy, ObjectInfo
 from ckptstore.backends.local import LocalBackend
 from ckptstore.commit import Committer, Previous
 from ckptstore.errors import ConflictError, StepBehindLatestError
 from ckptstore.manifest import KIND_STATE, Manifest
 from ckptstore.payload import SourceFile
-from ckptstore.saving import read_previous
+from counting import CountingBackend
 
 STEPS = 10_000
 EVERY = 10
 """The stored steps are 10, 20, ... 100000, so ``keep_every=10`` keeps all of them."""
-
-
-class Counting(BackendProxy):
-    """Counts reads by what they read (manifest, pointer, other) and listings."""
-
-    def __init__(self, inner: Backend) -> None:
-        super().__init__(inner)
-        self.calls: Counter[str] = Counter()
-
-    def _count_read(self, path: str) -> None:
-        if path.endswith("/" + layout.MANIFEST_NAME):
-            self.calls["manifest GET"] += 1
-        elif path == layout.LATEST_NAME:
-            self.calls["pointer GET"] += 1
-        else:
-            self.calls["other GET"] += 1
-
-    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        self._count_read(path)
-        return super().read(path, start, end)
-
-    def read_versioned(self, path: str) -> tuple[bytes, str]:
-        self._count_read(path)
-        return super().read_versioned(path)
-
-    def read_into(self, path: str, out: memoryview) -> int:
-        self._count_read(path)
-        return super().read_into(path, out)
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        self.calls["LIST"] += 1
-        return super().list(prefix)
-
-    def list_dirs(self, prefix: str) -> list[str]:
-        self.calls["LIST dirs"] += 1
-        return super().list_dirs(prefix)
-
-    def take(self) -> Counter[str]:
-        calls, self.calls = self.calls, Counter()
-        return calls
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +42,8 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def open_counted(root: Path, **options: int) -> tuple[CheckpointStore, Counting]:
-    backend = Counting(LocalBackend(str(root), {}))
+def open_counted(root: Path, **options: int) -> tuple[CheckpointStore, CountingBackend]:
+    backend = CountingBackend(LocalBackend(str(root), {}))
     return CheckpointStore(str(root), backend=backend, lease=False, **options), backend
 
 
@@ -198,7 +156,7 @@ def test_a_stager_handed_the_previous_step_reads_neither_pointer_nor_manifest(
     first = store.stage_files(1, staged_files(b"same"), kind=KIND_STATE)
     store.commit_files(1, first, kind=KIND_STATE)
     backend.take()
-    previous = read_previous(store, KIND_STATE)
+    previous = store.previous(KIND_STATE)
     assert backend.take() == Counter({"pointer GET": 1, "manifest GET": 1})
     mine = previous.among(["rank_00001/a.bin"])
     second = store.stage_files(2, staged_files(b"same"), kind=KIND_STATE, previous=mine)

@@ -11,7 +11,7 @@ import logging
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, layout
-from ckptstore.backends.base import Backend, BackendProxy, ObjectInfo
 from ckptstore.backends.local import LocalBackend
 from ckptstore.errors import ConfigError
 from ckptstore.manifest import KIND_STATE, Manifest
@@ -33,6 +32,7 @@ from ckptstore.retention import (
     metric_value,
     steps_to_delete,
 )
+from counting import CountingBackend
 
 STEPS = [10, 20, 30, 40, 50, 60]
 
@@ -461,36 +461,6 @@ def test_a_step_newer_than_latest_is_never_deleted(tmp_path: Path, options: dict
     assert store.prune() == []
 
 
-class CountingManifests(BackendProxy):
-    def __init__(self, inner: Backend) -> None:
-        super().__init__(inner)
-        self.calls: Counter[str] = Counter()
-
-    def _count(self, path: str) -> None:
-        if path.endswith("/" + layout.MANIFEST_NAME):
-            self.calls["manifest GET"] += 1
-
-    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        self._count(path)
-        return super().read(path, start, end)
-
-    def read_versioned(self, path: str) -> tuple[bytes, str]:
-        self._count(path)
-        return super().read_versioned(path)
-
-    def list_dirs(self, prefix: str) -> list[str]:
-        self.calls["LIST dirs"] += 1
-        return super().list_dirs(prefix)
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        self.calls["LIST"] += 1
-        return super().list(prefix)
-
-    def take(self) -> Counter[str]:
-        calls, self.calls = self.calls, Counter()
-        return calls
-
-
 def test_metadata_rules_read_each_manifest_once_per_process(tmp_path: Path) -> None:
     """keep_best reads every manifest at its first prune, then only the steps it counts
     (afresh, as keep_last does) and manifests it has not seen."""
@@ -501,14 +471,15 @@ def test_metadata_rules_read_each_manifest_once_per_process(tmp_path: Path) -> N
     for n in range(1, steps + 1):
         write_manifest(root, n, created=float(n), loss=1 / n)
     Committer(LocalBackend(str(root), {}), writer="seed").advance_latest(steps)
-    backend = CountingManifests(LocalBackend(str(root), {}))
+    backend = CountingBackend(LocalBackend(str(root), {}))
     options: dict[str, Any] = {"keep_best": 3, "best_metric": "loss", "best_mode": "min"}
     store = CheckpointStore(str(root), backend=backend, lease=False, keep_every=1, **options)
     assert store.prune() == []
     first = backend.take()
     assert first["manifest GET"] == steps + 3 and first["LIST dirs"] == 1, first
     assert store.prune() == []
-    assert backend.take() == Counter({"manifest GET": 3, "LIST dirs": 1, "LIST": 1})
+    again = backend.take()
+    assert again == Counter({"manifest GET": 3, "pointer GET": 1, "LIST dirs": 1, "LIST": 1}), again
     store.save(steps + 1, {"w": torch.ones(2)}, {"loss": 0.0})
     calls = backend.take()
     # the previous step (incremental), then the three best afresh; the new one is remembered

@@ -240,7 +240,7 @@ def test_a_failing_node_commits_nothing_and_leaves_no_staged_files(
     fake_save(nodes, 1)
 
     class Broken(NodeAgent):
-        def stage(self, step: int, paths: Any) -> Any:
+        def stage(self, step: int, paths: Any, previous: Any = None) -> Any:
             raise BackendError("node 1 lost its network")
 
     broken = LocalFleet({"n0": NodeAgent(str(nodes[0]), uri, {}), "n1": Broken(str(nodes[1]), uri)})
@@ -248,6 +248,40 @@ def test_a_failing_node_commits_nothing_and_leaves_no_staged_files(
     with pytest.raises(BackendError, match="lost its network"):
         cb.on_save(global_step=1, checkpoint_dir=str(nodes[0] / "global_step_1"))
     assert not (Path(uri) / "global_step_1").exists()  # node 0's staged files discarded
+    cb.close()
+
+
+def test_nodes_get_their_share_of_the_previous_step_from_the_driver(
+    tmp_path: Path, uri: str
+) -> None:
+    """The driver reads the previous manifest once; each node copies unchanged files from the
+    entries it is handed, so no node reads a manifest that grows with the cluster."""
+    handed: dict[str, list[Any]] = {"n0": [], "n1": []}
+
+    class Recording(NodeAgent):
+        def __init__(self, name: str, local_dir: str) -> None:
+            super().__init__(local_dir, uri, {})
+            self.name = name
+
+        def stage(self, step: int, paths: Any, previous: Any = None) -> Any:
+            handed[self.name].append((step, sorted(paths), previous))
+            return super().stage(step, paths, previous)
+
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    agents = {f"n{i}": Recording(f"n{i}", str(d)) for i, d in enumerate(nodes)}
+    cb = callback(verl_config(nodes[0], uri), LocalFleet(agents, driver="n0"))
+    fake_save(nodes, 1)
+    cb.on_save(global_step=1, checkpoint_dir=str(nodes[0] / "global_step_1"))
+    for node in nodes:  # the same bytes at step 2: it copies every file
+        shutil.copytree(node / "global_step_1", node / "global_step_2")
+    cb.on_save(global_step=2, checkpoint_dir=str(nodes[0] / "global_step_2"))
+    for name, calls in handed.items():
+        (_, _, first), (_, paths, second) = calls
+        assert first.step is None and first.files == (), name  # nothing before step 1
+        assert second.step == 1, name
+        assert sorted(f.path for f in second.files) == paths, name  # only this node's files
+    info = cb.store.info(2)
+    assert all(f.copied_from == 1 for f in info.manifest.files), info.manifest.files
     cb.close()
 
 

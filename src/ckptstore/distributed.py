@@ -53,7 +53,6 @@ from ckptstore.errors import (
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry
 from ckptstore.payload import SourceFile
-from ckptstore.saving import read_previous
 from ckptstore.serialize import SKELETON_FILE, decode_state, encode_state
 
 if TYPE_CHECKING:
@@ -219,7 +218,7 @@ def _plans(store: CheckpointStore, step: int, size: int) -> list[Previous | Chec
 
     def prepare() -> None:
         _prepare(store, step)
-        previous.extend(split_by_rank(read_previous(store, KIND_STATE), size))
+        previous.extend(split_by_rank(store.previous(KIND_STATE), size))
 
     refusal = _attempt(prepare)
     return [refusal] * size if refusal is not None else list(previous)

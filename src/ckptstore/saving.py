@@ -49,7 +49,6 @@ from ckptstore.pointer import Pointer
 
 if TYPE_CHECKING:
     from ckptstore.snapshot import Snapshotter
-    from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -366,10 +365,3 @@ class StepWriter:
 
 def _step_of(pointer: Pointer | None) -> int | None:
     return pointer.step if pointer is not None else None
-
-
-def read_previous(store: CheckpointStore, kind: str) -> Previous:
-    """What a coordinator reads once for all its stagers: ``latest``'s step and, if the store
-    is incremental and the step of ``kind``, its files (cut them per stager with
-    :meth:`Previous.only`, then pass each to ``stage_files(previous=...)``)."""
-    return store._saver.previous_for(kind)

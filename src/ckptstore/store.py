@@ -251,6 +251,12 @@ class CheckpointStore:
         world size: adoption records the one its files' names say (adoption.py)."""
         return self._environment or current_environment()
 
+    def previous(self, kind: str = KIND_DIRECTORY) -> Previous:
+        """What a coordinator reads once for all its stagers: ``latest``'s step and (if the
+        store is incremental and that step is of ``kind``) its files. Cut it per stager with
+        ``Previous.only``/``among`` and pass each part to ``stage_files(previous=...)``."""
+        return self._saver.previous_for(kind)
+
     def stage_files(
         self,
         step: int,

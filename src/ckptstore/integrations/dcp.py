@@ -71,7 +71,6 @@ from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.dcp_unpickle import check_weights_only, load_metadata, load_tensor
 from ckptstore.manifest import KIND_DIRECTORY, FileEntry
 from ckptstore.payload import SourceFile
-from ckptstore.saving import read_previous
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -171,7 +170,7 @@ class CkptStoreWriter(StorageWriter):
                 f"step {self.step} is already committed in {self.store.uri}; committed steps "
                 "are immutable. Save under a new step, or `ckptstore rm` it first"
             )
-        previous = self._previous = read_previous(self.store, KIND_DIRECTORY)
+        previous = self._previous = self.store.previous(KIND_DIRECTORY)
         by_path = {f.path: f for f in previous.files}
 
         def plan_of(i: int) -> _RankPlan:

@@ -38,12 +38,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-
 from ckptstore.errors import ConfigError, NotFoundError
 from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.training import plain_metrics
 from ckptstore.store import CheckpointStore
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError as e:
+    raise ConfigError(
+        f"ckptstore.integrations.hf_trainer needs transformers ({e.name!r} is missing): "
+        "pip install 'ckptstore[transformers]'"
+    ) from e
 
 log = logging.getLogger(__name__)
 

@@ -44,10 +44,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ckptstore.errors import ConfigError, NotFoundError
+
+try:
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ImportError as e:
+    raise ConfigError(
+        f"ckptstore.integrations.lightning needs Lightning ({e.name!r} is missing): "
+        "pip install 'ckptstore[lightning]'"
+    ) from e
 from ckptstore.integrations.training import plain_metrics
 from ckptstore.store import CheckpointStore
 

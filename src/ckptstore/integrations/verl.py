@@ -190,8 +190,11 @@ def commit_step(
     nodes = fleet.nodes()
     plan = assign_files(fleet.call("list_step", {n: (step,) for n in nodes}), step)
     check_complete([p for paths in plan.values() for p in paths], step)
+    previous = store.previous()  # read once here, not by every node
     try:
-        staged = fleet.call("stage", {n: (step, paths) for n, paths in plan.items() if paths})
+        staged = fleet.call(
+            "stage", {n: (step, paths, previous.among(paths)) for n, paths in plan.items() if paths}
+        )
     except BaseException:
         store.discard(step)
         raise

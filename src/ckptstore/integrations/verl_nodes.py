@@ -93,7 +93,7 @@ class NodeAgent:
         """Upload this node's share of ``step`` (uncommitted); returns the manifest entries.
 
         ``previous``: the driver's one read of the previous step, cut to ``paths``
-        (``read_previous(store, KIND_DIRECTORY).among(paths)``); None: the agent reads
+        (``store.previous().among(paths)``); None: the agent reads
         ``latest`` and the whole previous manifest itself."""
         if not paths:
             return []

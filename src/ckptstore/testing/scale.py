@@ -45,7 +45,6 @@ from ckptstore.errors import CheckpointError
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry, Manifest
 from ckptstore.payload import SourceFile
-from ckptstore.saving import read_previous
 from ckptstore.testing.faultproxy import FaultProxy
 from ckptstore.testing.s3server import LocalS3Server
 from ckptstore.testing.throttle import DEFAULT_SCALE, WRITES, Throttle
@@ -316,7 +315,7 @@ def _one_save(
     with rig.phase("prepare (rank 0)", phases):
         coordinator.hold_lease()
         if config.coordinated:  # as save_distributed: read once, scatter each rank its part
-            plans[:] = split_by_rank(read_previous(coordinator, KIND_STATE), config.ranks)
+            plans[:] = split_by_rank(coordinator.previous(KIND_STATE), config.ranks)
     with rig.phase("stage (all ranks)", phases):
         reports = list(ranks.pool.map(stage, range(config.ranks)))
     if failures:  # as save_distributed does: discard, nothing committed

@@ -1,0 +1,57 @@
+"""A backend view that counts calls by kind, for the tests that pin request costs down."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from ckptstore import layout
+from ckptstore.backends.base import Backend, BackendProxy, ObjectInfo
+
+
+class CountingBackend(BackendProxy):
+    """Counts reads by what they read (``manifest GET``, ``pointer GET``, ``other GET``) and
+    listings (``LIST``, ``LIST dirs``); ``heads=True`` counts ``stat`` calls as ``HEAD`` too."""
+
+    def __init__(self, inner: Backend, *, heads: bool = False) -> None:
+        super().__init__(inner)
+        self.calls: Counter[str] = Counter()
+        self._heads = heads
+
+    def _count_read(self, path: str) -> None:
+        if path.endswith("/" + layout.MANIFEST_NAME):
+            self.calls["manifest GET"] += 1
+        elif path == layout.LATEST_NAME:
+            self.calls["pointer GET"] += 1
+        else:
+            self.calls["other GET"] += 1
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        self._count_read(path)
+        return super().read(path, start, end)
+
+    def read_versioned(self, path: str) -> tuple[bytes, str]:
+        self._count_read(path)
+        return super().read_versioned(path)
+
+    def read_into(self, path: str, out: memoryview) -> int:
+        self._count_read(path)
+        return super().read_into(path, out)
+
+    def stat(self, path: str) -> ObjectInfo | None:
+        if self._heads:
+            self.calls["HEAD"] += 1
+        return super().stat(path)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        self.calls["LIST"] += 1
+        return super().list(prefix)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        self.calls["LIST dirs"] += 1
+        return super().list_dirs(prefix)
+
+    def take(self) -> Counter[str]:
+        """The counts so far; counting starts again from zero."""
+        calls, self.calls = self.calls, Counter()
+        return calls
