@@ -240,14 +240,12 @@ def test_a_byte_changed_after_adoption_fails_verify(tmp_path: Path) -> None:
 def test_a_file_changed_while_adopting_commits_nothing_and_deletes_nothing(
     tmp_path: Path,
 ) -> None:
-    from ckptstore.adoption import Adopter
-
     root = tmp_path / "store"
     shard = root / "global_step_8" / "w.pt"
     shard.parent.mkdir(parents=True)
     shard.write_bytes(b"x" * 100_000)
     with CheckpointStore(str(root)) as store:
-        adopter = Adopter(store._maintenance, store._adopter_env, store.clock)
+        adopter = store._adopter  # to change a file between planning and committing
         (planned,) = adopter.find(8)
         shard.write_bytes(b"x" * 50_000)  # a writer still at work: the listing is stale
         with pytest.raises(IncompleteCheckpointError, match="changed while it was adopted"):

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import layout
@@ -42,10 +43,18 @@ from ckptstore.errors import (
 from ckptstore.info import CheckpointInfo, SaveStats
 from ckptstore.lease import WriterLease
 from ckptstore.maintenance import Maintenance
-from ckptstore.manifest import KIND_STATE, Environment, FileEntry, Manifest, check_metadata
+from ckptstore.manifest import (
+    KIND_DIRECTORY,
+    KIND_STATE,
+    Environment,
+    FileEntry,
+    Manifest,
+    check_metadata,
+)
 from ckptstore.observer import SaveObserver
-from ckptstore.payload import Progress, SourceFile
+from ckptstore.payload import Progress, SourceFile, file_reader
 from ckptstore.pointer import Pointer
+from ckptstore.transfer import scan_dir
 
 if TYPE_CHECKING:
     from ckptstore.snapshot import Snapshotter
@@ -160,6 +169,26 @@ class StepWriter:
             )
 
         return self.background.submit(step, work, blocked, uri=self.uri)
+
+    def push_dir(
+        self,
+        step: int,
+        local_dir: Path,
+        metadata: Mapping[str, Any] | None,
+        progress: Progress | None,
+        allow_older: bool,
+    ) -> CheckpointInfo:
+        """Commit every file under ``local_dir`` (a verl ``global_step_N``) as ``step``."""
+        step = layout.check_step(step)
+        user_metadata = check_metadata(metadata)
+        self.background.drain()
+        files = [
+            SourceFile(rel, file_reader(path), path.stat().st_size)
+            for rel, path in scan_dir(local_dir)
+        ]
+        return self.write(
+            step, files, KIND_DIRECTORY, user_metadata, progress=progress, allow_older=allow_older
+        )
 
     def write(
         self,

@@ -35,11 +35,11 @@ from ckptstore.loading import download_step, load_state
 from ckptstore.maintenance import Maintenance
 from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry, check_metadata
 from ckptstore.observer import SaveObserver
-from ckptstore.payload import Progress, SourceFile, file_reader
+from ckptstore.payload import Progress, SourceFile
 from ckptstore.retention import Policy, RetentionPolicy, as_policies
 from ckptstore.saving import StepWriter
 from ckptstore.signing import Signer
-from ckptstore.transfer import check_target, scan_dir
+from ckptstore.transfer import check_target
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,10 @@ class CheckpointStore:
             if takeover:
                 self._lease.hold()  # fence the old holder now, before this job loads anything
         self._environment: Environment | None = None
+        # adoption records the world size its files' names say: no torch.distributed import
+        self._adopter = Adopter(
+            self._maintenance, lambda: self._environment or current_environment(), clock
+        )
         self.last_loaded: CheckpointInfo | None = None
         """The step the last ``load`` returned (it may fall back past a corrupt latest)."""
 
@@ -213,16 +217,7 @@ class CheckpointStore:
     ) -> CheckpointInfo:
         """Commit every file under ``local_dir`` as ``step`` (a verl ``global_step_N`` dir);
         ``allow_older`` as in ``save``."""
-        step = layout.check_step(step)
-        user_metadata = check_metadata(metadata)
-        self._saver.background.drain()
-        files = [
-            SourceFile(rel, file_reader(path), path.stat().st_size)
-            for rel, path in scan_dir(Path(local_dir))
-        ]
-        return self._saver.write(
-            step, files, KIND_DIRECTORY, user_metadata, progress=progress, allow_older=allow_older
-        )
+        return self._saver.push_dir(step, Path(local_dir), metadata, progress, allow_older)
 
     def adopt(
         self,
@@ -239,17 +234,11 @@ class CheckpointStore:
         one without foreign files, is a ConflictError or NotFoundError (adoption.py)."""
         user_metadata = check_metadata(metadata)
         self._saver.background.drain()
-        adopter = Adopter(self._maintenance, self._adopter_env, self.clock)
-        return adopter.adopt(step, user_metadata, progress)
+        return self._adopter.adopt(step, user_metadata, progress)
 
     def adoptable(self, step: int | None = None) -> builtins.list[ForeignStep]:
         """What ``adopt(step)`` would commit, without reading or writing a byte of it."""
-        return Adopter(self._maintenance, self._adopter_env, self.clock).find(step)
-
-    def _adopter_env(self) -> Environment:
-        """This process's environment without asking torch.distributed (a slow import) for a
-        world size: adoption records the one its files' names say (adoption.py)."""
-        return self._environment or current_environment()
+        return self._adopter.find(step)
 
     def previous(self, kind: str = KIND_DIRECTORY) -> Previous:
         """What a coordinator reads once for all its stagers: ``latest``'s step and (if the

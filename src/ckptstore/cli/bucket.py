@@ -70,31 +70,28 @@ def _make_bucket(uri: str, options: dict[str, Any]) -> tuple[str, bool, str]:
     request: dict[str, Any] = {"Bucket": bucket}
     if region != "us-east-1":  # S3 refuses an explicit us-east-1 constraint
         request["CreateBucketConfiguration"] = {"LocationConstraint": region}
+
+    def failed(e: Exception, action: str) -> Exception:
+        endpoint = client.meta.endpoint_url
+        return translate(e, bucket=bucket, endpoint=endpoint, target=uri, action=action)
+
     try:
         # us-east-1 answers 200 to creating a bucket one owns already: ask first
         client.head_bucket(Bucket=bucket)
         return bucket, False, region
     except ClientError as e:
         if not is_not_found(e):
-            raise translate(
-                e, bucket=bucket, endpoint=client.meta.endpoint_url, target=uri, action="check"
-            ) from e
+            raise failed(e, "check") from e
     except BotoCoreError as e:
-        raise translate(
-            e, bucket=bucket, endpoint=client.meta.endpoint_url, target=uri, action="check"
-        ) from e
+        raise failed(e, "check") from e
     try:
         client.create_bucket(**request)
     except ClientError as e:
         if code_of(e) == "BucketAlreadyOwnedByYou":
             return bucket, False, region
-        raise translate(
-            e, bucket=bucket, endpoint=client.meta.endpoint_url, target=uri, action="create"
-        ) from e
+        raise failed(e, "create") from e
     except BotoCoreError as e:
-        raise translate(
-            e, bucket=bucket, endpoint=client.meta.endpoint_url, target=uri, action="create"
-        ) from e
+        raise failed(e, "create") from e
     return bucket, True, region
 
 
