@@ -277,6 +277,7 @@ class Row:
 
 
 def catalog() -> list[Row]:
+    import bench_dcp
     import bench_local_limits as local_limits
     import bench_s3 as s3
     import bench_s3_limits as limits
@@ -288,6 +289,7 @@ def catalog() -> list[Row]:
         ("ckptstore incremental", CkptIncremental),
         ("torch.save+fsync", TorchSave),
         ("dcp.save FileSystemWriter", DcpSave),
+        ("ckptstore dcp.save", bench_dcp.CkptDcpSave),
         ("raw read", local_limits.RawRead),
         ("ckptstore load", CkptLoad),
         ("torch.load", TorchLoad),
@@ -301,6 +303,7 @@ def catalog() -> list[Row]:
         ("torch.save>BytesIO>upload_fileobj", s3.BotoSave),
         ("torch.save>s3fs.open", s3.S3fsSave),
         ("dcp.save FsspecWriter", s3.DcpFsspecSave),
+        ("ckptstore dcp.save", bench_dcp.CkptDcpSave),
         ("s3torchconnector save", s3.S3tcSave),
         ("raw boto3 download", limits.RawDownload),
         ("ckptstore load", CkptLoad),

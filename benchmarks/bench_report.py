@@ -117,9 +117,9 @@ def _uploaded(target: str) -> Callable[[list[Result]], float | None]:
     return value
 
 
-def _memory(target: str, part_size: int, concurrency: int) -> Any:
+def _memory(target: str, part_size: int, concurrency: int, row: str = "ckptstore save") -> Any:
     def value(results: list[Result]) -> float | None:
-        r = _find(results, target, "ckptstore save")
+        r = _find(results, target, row)
         if r is None:
             return None
         return float(r["extra_rss"] / (part_size * concurrency + 0.1 * r["state_bytes"]))
@@ -186,6 +186,20 @@ def targets(part_size: int, concurrency: int) -> list[Target]:
             1.0,
             False,
             _memory("local", part_size, concurrency),
+            " of the bound",
+        ),
+        Target(
+            "DCP save extra RSS <= part x concurrency + 10% of the state (S3)",
+            1.0,
+            False,
+            _memory("s3", part_size, concurrency, "ckptstore dcp.save"),
+            " of the bound",
+        ),
+        Target(
+            "DCP save extra RSS <= the same bound (local)",
+            1.0,
+            False,
+            _memory("local", part_size, concurrency, "ckptstore dcp.save"),
             " of the bound",
         ),
         Target("local incremental uploads <= 15% of bytes", 0.15, False, _uploaded("local"), "%"),

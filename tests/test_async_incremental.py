@@ -44,9 +44,9 @@ def test_one_save_in_flight_and_steps_commit_in_order(store: CheckpointStore) ->
 
 def test_snapshot_buffers_are_reused_across_saves(store: CheckpointStore) -> None:
     store.save_async(1, model_state(1)).wait()
-    first = store._saver.snapshotter._buffers[0].data_ptr()
+    first = store._async.snapshotter._buffers[0].data_ptr()
     store.save_async(2, model_state(2)).wait()
-    assert store._saver.snapshotter._buffers[0].data_ptr() == first
+    assert store._async.snapshotter._buffers[0].data_ptr() == first
     assert torch.equal(store.load(2)["model"]["w"], model_state(2)["model"]["w"])
 
 

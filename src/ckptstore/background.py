@@ -18,6 +18,7 @@ what is left, since an attempt nobody commits is proven dead garbage once it is 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +32,9 @@ from ckptstore.errors import SaveAbandonedError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 WAKE_SECONDS = 0.1
+BACKGROUND_NICENESS = 10
+"""How far below the caller a background save runs (nice steps; CFS then gives it about a
+tenth of a core that training wants, and any core training leaves idle)."""
 
 
 class Abandon:
@@ -73,17 +77,28 @@ class SaveHandle(Generic[T]):
     """A save running in the background."""
 
     def __init__(
-        self, step: int, future: Future[T], blocked_seconds: float, abandon: Abandon
+        self,
+        step: int,
+        future: Future[T],
+        blocked_seconds: float,
+        abandon: Abandon,
+        snapshot_done: Callable[[], None] = lambda: None,
     ) -> None:
         self.step = step
         self.blocked_seconds = blocked_seconds
-        """How long the caller was blocked (the snapshot), in seconds."""
+        """How long the call was blocked (the snapshot, or its part not overlapped)."""
         self._future = future
         self._abandon = abandon
+        self._snapshot_done = snapshot_done
         self._reported = False
 
     def done(self) -> bool:
         return self._future.done()
+
+    def snapshot_done(self) -> None:
+        """Return once the saved tensors may change: at once, unless an overlapped copy is
+        still running (then this copies what is left alongside it). Never raises."""
+        self._snapshot_done()
 
     def wait(self, timeout: float | None = None) -> T:
         """The committed step's info; raises what the background save raised."""
@@ -121,12 +136,15 @@ class BackgroundSaver(Generic[T]):
         blocked_seconds: float,
         *,
         uri: str = "",
+        snapshot_done: Callable[[], None] = lambda: None,
     ) -> SaveHandle[T]:
         """Run ``work(abandon)`` in the worker; it checks ``abandon`` between chunks."""
         abandon = Abandon(step, uri)
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
+                self._executor = ThreadPoolExecutor(
+                    1, thread_name_prefix="ckpt-save", initializer=yield_to_training
+                )
                 # Runs before concurrent.futures refuses new work at shutdown (it registers the
                 # same way, earlier, and these run last-registered first), so a save queued when
                 # the script returns can still use thread pools to finish. Private, but no public
@@ -135,7 +153,7 @@ class BackgroundSaver(Generic[T]):
                 threading._register_atexit(self._flush_at_exit)  # type: ignore[attr-defined]
             future = self._executor.submit(work, abandon)
             future.add_done_callback(lambda f: _log_outcome(step, uri, f))
-            self._pending = SaveHandle(step, future, blocked_seconds, abandon)
+            self._pending = SaveHandle(step, future, blocked_seconds, abandon, snapshot_done)
             return self._pending
 
     def drain(self) -> None:
@@ -208,6 +226,22 @@ class BackgroundSaver(Generic[T]):
                     idle = self._pending is None or self._pending.done()
                     self._executor.shutdown(wait=idle)
                     self._executor = None
+
+
+def yield_to_training() -> None:
+    """Lower this thread's scheduling priority by :data:`BACKGROUND_NICENESS` (Linux: nice
+    is per thread, and threads it starts inherit it). A background save then takes the CPU
+    that training leaves idle instead of slowing its steps; on a busy host it finishes later,
+    never wrongly. Elsewhere (where the call would name a process, not this thread), or
+    where refused, a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        thread = threading.get_native_id()
+        niceness = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, niceness + BACKGROUND_NICENESS))
+    except (AttributeError, OSError) as e:  # not Linux, or a sandbox that refuses
+        log.debug("background save keeps its priority: %s", e)
 
 
 def _wait(future: Future[Any]) -> BaseException | None:

@@ -11,7 +11,6 @@ start without it.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,13 +22,12 @@ from ckptstore import layout
 from ckptstore.backends.base import join
 from ckptstore.backends.fsutil import move_into_place, unlink_quietly, write_temp
 from ckptstore.catalog import Catalog
-from ckptstore.checksum import Crc32c
 from ckptstore.errors import ConfigError, CorruptCheckpointError, NotFoundError
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry
 from ckptstore.payload import Progress
 from ckptstore.transfer import ChunkReader, download_dir, path_filter, patterns
-from ckptstore.verified import check_digests, missing_file, size_mismatch
+from ckptstore.verified import StreamCheck, missing_file, size_mismatch
 
 READ_THREADS = 8
 
@@ -185,10 +183,10 @@ def download_step(
         def fetch(entry: FileEntry, dest: Path) -> None:
             path = entry.key(info.step)
             where = join(backend.uri, path)
-            check = _StreamCheck(entry, where=where, step=info.step)
+            check = StreamCheck(entry, where=where, step=info.step)
             try:
                 with closing(reader.chunks(path, entry.size)) as chunks:
-                    tmp, _ = write_temp(dest, check.passing(chunks, progress))
+                    tmp, _ = write_temp(dest, _passing(chunks, check, progress))
             except NotFoundError as e:  # deleted since the listing
                 raise missing_file(where, path, info.step) from e
             try:
@@ -201,32 +199,14 @@ def download_step(
         download_dir(entries, target, fetch, force=force, delete=delete, selected=takes, stop=stop)
 
 
-class _StreamCheck:
-    """:func:`~ckptstore.verified.check_file`'s checks, with the same errors, on bytes that
-    stream past: size, CRC32C, and SHA-256 where the manifest has one."""
-
-    def __init__(self, entry: FileEntry, *, where: str, step: int) -> None:
-        self.entry, self.where, self.step = entry, where, step
-        self.crc = Crc32c()
-        self.sha = hashlib.sha256() if entry.sha256 is not None else None
-
-    def passing(
-        self, chunks: Iterable[memoryview], progress: Progress | None
-    ) -> Iterator[memoryview]:
-        """``chunks`` unchanged, each added to the checksums on its way, then reported to
-        ``progress`` once written."""
-        for chunk in chunks:
-            self.crc.update(chunk)
-            if self.sha is not None:
-                self.sha.update(chunk)
-            size = chunk.nbytes
-            yield chunk
-            if progress:
-                progress(size)
-
-    def finish(self) -> None:
-        """Raise CorruptCheckpointError unless what passed matches the manifest's entry."""
-        sha = self.sha.hexdigest() if self.sha is not None else None
-        check_digests(
-            self.entry, self.crc.size, self.crc.hexdigest(), sha, where=self.where, step=self.step
-        )
+def _passing(
+    chunks: Iterable[memoryview], check: StreamCheck, progress: Progress | None
+) -> Iterator[memoryview]:
+    """``chunks`` unchanged, each added to ``check``'s digests on its way, then reported to
+    ``progress`` once written."""
+    for chunk in chunks:
+        check.update(chunk)
+        size = chunk.nbytes
+        yield chunk
+        if progress:
+            progress(size)

@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptstore import layout
-from ckptstore.background import Abandon, BackgroundSaver, SaveHandle
+from ckptstore.background import Abandon, BackgroundSaver
 from ckptstore.catalog import Catalog
 from ckptstore.commit import Committer, Previous
 from ckptstore.errors import (
@@ -56,9 +56,6 @@ from ckptstore.payload import Progress, SourceFile, file_reader
 from ckptstore.pointer import Pointer
 from ckptstore.transfer import scan_dir
 
-if TYPE_CHECKING:
-    from ckptstore.snapshot import Snapshotter
-
 log = logging.getLogger(__name__)
 
 
@@ -75,9 +72,7 @@ class StepWriter:
     shard_size: int
     observer: SaveObserver | None = None
     background: BackgroundSaver[CheckpointInfo] = field(default_factory=BackgroundSaver)
-    """The one async save in flight; every save waits for it first."""
-    snapshotter: Snapshotter | None = None
-    """Host buffers for async snapshots, reused from save to save."""
+    """The one async save in flight (async_saving.py); every save waits for it first."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.shard_size, int) or self.shard_size < 1:
@@ -125,50 +120,6 @@ class StepWriter:
             files_by_key=encoded.files_by_key,
             allow_older=allow_older,
         )
-
-    def save_async(
-        self,
-        step: int,
-        state: Any,
-        metadata: Mapping[str, Any] | None,
-        allow_pickle: bool,
-        *,
-        allow_older: bool = False,
-    ) -> SaveHandle[CheckpointInfo]:
-        """Snapshot ``state`` into reused host buffers, then write it in the background.
-
-        A step behind ``latest`` is refused here, in the caller, before the snapshot."""
-        step = layout.check_step(step)
-        user_metadata = check_metadata(metadata)
-        self.background.drain()
-        if not allow_older:
-            self._check_not_behind(step, _step_of(self.catalog.pointer_or_none()))
-        started = time.perf_counter()
-        from ckptstore.serialize import encode_state
-        from ckptstore.snapshot import Snapshotter
-
-        snapshotter = self.snapshotter = self.snapshotter or Snapshotter()
-        snapshotter.begin()
-        encoded = encode_state(
-            state, shard_size=self.shard_size, allow_pickle=allow_pickle, snapshot=snapshotter
-        )
-        snapshotter.finish()
-        blocked = time.perf_counter() - started
-        files, files_by_key = encoded.files(), encoded.files_by_key
-
-        def work(abandon: Abandon) -> CheckpointInfo:
-            return self.write(
-                step,
-                [replace(f, chunks=abandon.checked(f.chunks)) for f in files],
-                KIND_STATE,
-                user_metadata,
-                blocked=blocked,
-                files_by_key=files_by_key,
-                allow_older=allow_older,
-                abandon=abandon,
-            )
-
-        return self.background.submit(step, work, blocked, uri=self.uri)
 
     def push_dir(
         self,
@@ -244,7 +195,7 @@ class StepWriter:
         if previous is None:
             previous = self.previous_for(kind, read=self.incremental or not allow_older)
         if not allow_older:
-            self._check_not_behind(step, previous.step)
+            self.check_not_behind(step, previous.step)
         return self.committer.write_payload(
             step,
             files,
@@ -289,7 +240,7 @@ class StepWriter:
             environment = replace(environment, world_size=world_size)
         try:
             if not allow_older:
-                self._check_not_behind(step, _step_of(self.catalog.pointer_or_none()))
+                self.check_not_behind(step, step_of(self.catalog.pointer_or_none()))
             self.committer.confirm_payload(step, entries)
             epoch = self.hold_lease()  # renewing is the fence check: right before the commit
             manifest = Manifest(
@@ -352,7 +303,7 @@ class StepWriter:
             step=step,
         )
 
-    def _check_not_behind(self, step: int, latest: int | None) -> None:
+    def check_not_behind(self, step: int, latest: int | None) -> None:
         """Refuse a step older than ``latest`` (module docstring). A pointer left ahead of
         every committed step (its step deleted behind its back) is no reason to refuse:
         ``advance_latest`` repairs it."""
@@ -392,5 +343,5 @@ class StepWriter:
             log.warning("%s: the save observer raised %r; ignored", self.uri, e)
 
 
-def _step_of(pointer: Pointer | None) -> int | None:
+def step_of(pointer: Pointer | None) -> int | None:
     return pointer.step if pointer is not None else None

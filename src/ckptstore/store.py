@@ -16,10 +16,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ckptstore import layout
 from ckptstore.adoption import Adopter, ForeignStep
+from ckptstore.async_saving import AsyncSaver
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
 from ckptstore.background import SaveHandle
@@ -40,6 +41,9 @@ from ckptstore.retention import Policy, RetentionPolicy, as_policies
 from ckptstore.saving import StepWriter
 from ckptstore.signing import Signer
 from ckptstore.transfer import check_target
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,7 @@ class CheckpointStore:
         self._saver = StepWriter(
             self._maintenance, self._lease, self._env, clock, incremental, shard_size, observer
         )
+        self._async = AsyncSaver(self._saver)
         if self._lease is not None:
             self._lease.release_when_collected(self)  # a dropped store lets the lease go
             if takeover:
@@ -141,7 +146,7 @@ class CheckpointStore:
         """Flush the save in flight (raising its error), release the writer lease (so the
         next job writes without ``takeover``), then the backend."""
         try:
-            self._saver.background.close()
+            self._async.close()
         finally:
             try:
                 if self._lease is not None:
@@ -191,16 +196,28 @@ class CheckpointStore:
         *,
         allow_pickle: bool = False,
         allow_older: bool = False,
+        overlap: bool | Optimizer | Iterable[Optimizer] = False,
     ) -> SaveHandle[CheckpointInfo]:
         """Snapshot ``state`` and save it in the background; returns at once after the copy.
 
         One save is in flight at a time: this first waits for the previous one to commit, and
         raises its error if nobody heard of it. Tensors are copied into buffers reused across
         saves (pinned host memory for CUDA tensors), so training may change them right away.
+        With ``overlap=optimizer`` (or a list), the copy of that optimizer's parameters and
+        state runs in the background too, and its next ``step()`` waits for what is left;
+        other tensors are copied here. ``overlap=True`` defers every tensor: call
+        ``before_update()`` (or ``handle.snapshot_done()``) before changing any.
         A step older than ``latest``'s raises StepBehindLatestError here (as ``save``).
         At exit, a pending save is finished (announced on stderr); a Ctrl-C then abandons it.
         """
-        return self._saver.save_async(step, state, metadata, allow_pickle, allow_older=allow_older)
+        return self._async.save_async(
+            step, state, metadata, allow_pickle, allow_older=allow_older, overlap=overlap
+        )
+
+    def before_update(self) -> None:
+        """Return once the tensors of an overlapped ``save_async`` may change (optimizer
+        steps wait by themselves); copies what is left of the snapshot. Never raises."""
+        self._async.before_update()
 
     def wait(self) -> None:
         """Wait for the async save in flight; raise its error if nobody heard of it."""

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, TypeVar
 
 import crc32c
 import urllib3
@@ -63,6 +63,10 @@ PartJob = Callable[[str, int], Part]
 """Sends part ``number`` of upload ``upload_id`` (the arguments, in that order)."""
 Upload = tuple[str, str, "float | None"]
 """An unfinished upload: its key, its upload id, and when it started."""
+T = TypeVar("T")
+READ_PIECE = 4 << 20
+"""Bytes per ``readinto`` call on a GET's body (:func:`read_body_into`): small enough that
+urllib3's temporary copy of each piece stays in the CPU's cache."""
 _BROKEN_BODY = (
     ResponseStreamingError,
     IncompleteReadError,
@@ -71,6 +75,32 @@ _BROKEN_BODY = (
     urllib3.exceptions.HTTPError,
 )
 """A GetObject body that broke after its headers arrived: read it again."""
+
+
+def read_body_into(body: Any, out: memoryview) -> int:
+    """Read a GetObject body into ``out``; returns the body's size (more than ``len(out)``
+    if the server sent more: those bytes are read and dropped, for the caller to reject).
+
+    ``StreamingBody.readinto`` (botocore >= 1.35) keeps botocore's content-length and
+    checksum checks. Through urllib3 2.x it still reads each call into a temporary ``bytes``
+    and copies that into place, so the calls ask for :data:`READ_PIECE` bytes: the temporary
+    then stays in the CPU's cache for the copy and reuses memory just freed, where
+    ``read()`` allocated (and faulted in) a fresh buffer the size of the whole range.
+    Bodies without ``readinto`` are read whole and copied.
+    """
+    readinto = getattr(body, "readinto", None)
+    if readinto is None:
+        data = body.read()
+        out[: len(data)] = data[: len(out)]
+        return len(data)
+    filled = 0
+    while filled < len(out):
+        n = readinto(out[filled : filled + READ_PIECE])
+        if not n:
+            return filled  # a short body: botocore checked its length on this empty read
+        filled += n
+    rest: bytes = body.read()  # empty, normally; the whole-body read runs botocore's checks
+    return filled + len(rest)
 
 
 def crc32c_base64(data: Chunk) -> str:
@@ -113,13 +143,29 @@ class Transfers:
 
     def get(self, key: str, **extra: str) -> tuple[dict[str, Any], bytes]:
         """GetObject and its whole body; a body that breaks is read again."""
+
+        def body(resp: dict[str, Any]) -> bytes:
+            data: bytes = resp["Body"].read()
+            return data
+
+        return self._retrying_body(key, body, **extra)
+
+    def get_into(self, key: str, out: memoryview, **extra: str) -> tuple[dict[str, Any], int]:
+        """GetObject with its body read straight into ``out`` (:func:`read_body_into`); returns
+        the response and the body's size. A body that breaks is read again, over the same
+        bytes of ``out``."""
+        return self._retrying_body(key, lambda resp: read_body_into(resp["Body"], out), **extra)
+
+    def _retrying_body(
+        self, key: str, body: Callable[[dict[str, Any]], T], **extra: str
+    ) -> tuple[dict[str, Any], T]:
+        """GetObject and ``body(response)``, again while the body breaks after the headers."""
         for attempt in range(1, self._attempts + 1):
             try:
                 resp: dict[str, Any] = self._client.get_object(
                     Bucket=self._bucket, Key=key, **extra
                 )
-                data: bytes = resp["Body"].read()
-                return resp, data
+                return resp, body(resp)
             except _BROKEN_BODY as e:
                 if attempt >= self._attempts:
                     if isinstance(e, BotoCoreError):
@@ -139,14 +185,13 @@ class Transfers:
         def fetch(first: int, end: int) -> int:
             extra = {"Range": f"bytes={first}-{end - 1}"} if end > first else {}
             try:
-                resp, data = self.get(key, **extra)
+                resp, size = self.get_into(key, out[first:end], **extra)
             except ClientError as e:
                 if code_of(e) == "InvalidRange":  # object shorter than expected
                     return int(e.response.get("Error", {}).get("ActualObjectSize", 0) or 0)
                 raise
-            out[first : first + len(data)] = data
             total = str(resp.get("ContentRange", "")).rpartition("/")[2]
-            return int(total) if total.isdigit() else int(resp.get("ContentLength", len(data)))
+            return int(total) if total.isdigit() else int(resp.get("ContentLength", size))
 
         if len(ranges) == 1:
             return fetch(*ranges[0])

@@ -20,10 +20,12 @@ step fetched with ``store.pull_dir`` (CLI: ``ckptstore pull``) also loads with p
 DCP's format uses pickle. The reader never runs pickle from the store unless told to
 (``allow_pickle=True``, for writers you trust): :mod:`.dcp_unpickle` says what it admits.
 
-Each rank writes one file, serialized in memory first (one copy of its shard), then uploaded
-like any staged file (in parallel parts on S3). Every file a rank reads is read whole and
-verified against the manifest before any of its bytes is used, so when resharding a rank
-reads whole files even where it needs slices.
+Each rank streams its one file into the store (:mod:`.dcp_write`): ``torch.save``'s archive
+records around views of the tensors' own memory, uploaded in parallel parts on S3 as
+``CheckpointStore.save`` uploads its shards, so a rank's extra memory is the backend's part
+buffers, not a copy of its shard. Every file a rank reads is read whole and verified against
+the manifest before any of its bytes is used, so when resharding a rank reads whole files even
+where it needs slices.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.distributed.checkpoint import filesystem as _filesystem
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -49,7 +50,6 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
-    WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
@@ -69,6 +69,7 @@ from ckptstore.errors import (
 )
 from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.dcp_unpickle import check_weights_only, load_metadata, load_tensor
+from ckptstore.integrations.dcp_write import RankFile
 from ckptstore.manifest import KIND_DIRECTORY, FileEntry
 from ckptstore.payload import SourceFile
 
@@ -181,18 +182,18 @@ class CkptStoreWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=plan_of(i)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Stage this rank's items as one file; a failure travels to ``finish`` as a marker."""
+        """Stream this rank's items into one staged file; a failure travels to ``finish`` as a
+        marker."""
         try:
             results: list[WriteResult] = []
             entries: list[FileEntry] = []
             if plan.items:
                 name = f"{plan.storage_data.prefix}0{DATA_SUFFIX}"
-                results, data = _serialize(plan, planner, name)
-                view = data.getbuffer()
-                source = SourceFile(name, lambda: iter((view,)), view.nbytes)
+                file = RankFile(name, plan, planner, where=f"{self.checkpoint_id}/{name}")
+                results = file.results
                 previous = getattr(plan.storage_data, "previous", None)
                 entries = self.store.stage_files(
-                    self.step, [source], kind=KIND_DIRECTORY, previous=previous
+                    self.step, [file.source()], kind=KIND_DIRECTORY, previous=previous
                 )
             staged = _Staged(self.rank, tuple(entries))
         except Exception as e:
@@ -238,32 +239,6 @@ class CkptStoreWriter(StorageWriter):
             metadata=self.metadata,
             world_size=len(results),
         )
-
-
-def _serialize(
-    plan: SavePlan, planner: SavePlanner, name: str
-) -> tuple[list[WriteResult], io.BytesIO]:
-    """The rank's items in one buffer, laid out as FileSystemWriter lays out a file."""
-    out = io.BytesIO()
-    results = []
-    items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)  # bytes first
-    for item in items:
-        offset = out.tell()
-        data = planner.resolve_data(item)
-        if item.type == WriteItemType.BYTE_IO:
-            if not isinstance(data, io.BytesIO):
-                raise TypeError(f"{item.index.fqn}: DCP resolved bytes to {type(data).__name__}")
-            out.write(data.getbuffer())
-        else:
-            if not isinstance(data, torch.Tensor):
-                raise TypeError(f"{item.index.fqn}: DCP resolved a tensor to {type(data)}")
-            tensor = data.detach().cpu()
-            if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
-                tensor = tensor.clone()  # save only the view, not the storage around it
-            torch.save(tensor, out)
-        length = out.tell() - offset
-        results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
-    return results, out
 
 
 class CkptStoreReader(StorageReader):

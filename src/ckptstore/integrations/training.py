@@ -86,7 +86,9 @@ class CheckpointCallback:
     """Saves model, optimizer, scheduler, RNG states and ``extra`` when the policy says so.
 
     Scheduled saves run in the background by default (the loop waits only for the copy of the
-    tensors); a failed save is raised by the next one, or by ``close()`` / ``store.wait()``.
+    tensors; with ``overlap=True``, only for the part of that copy not done when the optimizer
+    next steps, see ``CheckpointStore.save_async``); a failed save is raised by the next one,
+    or by ``close()`` / ``store.wait()``.
     Preemption and end-of-training saves are synchronous. The store's retention applies after
     each commit. See the module docstring for the policy.
     """
@@ -97,6 +99,7 @@ class CheckpointCallback:
         save_freq: int | None = None,
         *,
         async_save: bool = True,
+        overlap: bool = False,
         save_interval_seconds: float | None = None,
         should_save: ShouldSave | None = None,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
@@ -120,6 +123,7 @@ class CheckpointCallback:
         self.save_interval_seconds = save_interval_seconds
         self.should_save = should_save
         self.async_save = async_save
+        self.overlap = overlap
         self.clock = clock
         self.preempted = False
         """True once a preemption signal arrived and its step is committed: exit the loop."""
@@ -240,7 +244,12 @@ class CheckpointCallback:
     ) -> SaveHandle[CheckpointInfo] | CheckpointInfo:
         if sync or not self.async_save:
             return self._sync(step, objects, metrics, reason)
-        handle = self.store.save_async(step, training_state(*objects), _metadata(metrics, reason))
+        overlap: bool | torch.optim.Optimizer = False
+        if self.overlap and isinstance(objects[1], torch.optim.Optimizer):
+            overlap = objects[1]  # a Stateful of another kind: the blocking copy
+        handle = self.store.save_async(
+            step, training_state(*objects), _metadata(metrics, reason), overlap=overlap
+        )
         self._saved(step)
         return handle
 

@@ -1,0 +1,248 @@
+"""The fast read paths of a load, and the guarantees they must keep.
+
+Local files are read in ``READ_CHUNK`` pieces, each checksummed as it lands, into buffers that
+ask for huge pages; S3 bodies are read with ``readinto`` in ``READ_PIECE`` pieces straight into
+the destination. The pieces are made tiny here so every file crosses many of them. Each test
+checks behaviour (the bytes, the errors), never timing, and each fast path's fallback.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import torch
+from botocore.httpchecksum import StreamingChecksumBody
+from botocore.response import StreamingBody
+
+from ckptstore import CheckpointStore
+from ckptstore.backends import local, s3_transfer
+from ckptstore.backends.base import BackendProxy
+from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.s3_transfer import Transfers, read_body_into
+from ckptstore.errors import CorruptCheckpointError
+from ckptstore.verified import ChunkedReadInto, read_verified
+from keys import file_key
+
+PIECE = 1000
+"""Bytes per read call in these tests: not a divisor of any file size, so the last piece of
+every file is a short one."""
+
+
+def state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(7)
+    return {
+        "model": {f"layer{i}": torch.randn(64, 96, generator=gen) for i in range(6)},
+        "step": 3,
+    }
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["step"] == b["step"] and all(
+        torch.equal(a["model"][k], b["model"][k]) for k in a["model"]
+    )
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "READ_CHUNK", PIECE)
+    monkeypatch.setattr(s3_transfer, "READ_PIECE", PIECE)
+
+
+@pytest.fixture
+def store(tmp_path: Path, small_pieces: None) -> Iterator[CheckpointStore]:
+    with CheckpointStore(str(tmp_path / "store"), shard_size=40_000) as opened:
+        opened.save(1, state())
+        yield opened
+
+
+def biggest_shard(store: CheckpointStore) -> tuple[str, Path]:
+    entry = max(store.info(1).files, key=lambda f: f.size)
+    assert entry.size > 20 * PIECE  # the file crosses many pieces
+    return entry.path, Path(store.backend.uri) / file_key(store, 1, entry.path)
+
+
+# -- local: pieces checksummed as they land --------------------------------------------------
+
+
+def test_a_load_read_in_pieces_returns_the_bytes_saved(store: CheckpointStore) -> None:
+    assert len(store.info(1).files) > 3  # several shards, read in parallel
+    assert isinstance(store.backend, ChunkedReadInto)
+    assert same(store.load(1), state())
+
+
+def test_the_pieces_cover_the_file_in_order(tmp_path: Path, small_pieces: None) -> None:
+    data = os.urandom(10 * PIECE + 17)
+    (tmp_path / "f").write_bytes(data)
+    out, seen = memoryview(bytearray(len(data))), bytearray()
+    size = LocalBackend(str(tmp_path), {}).read_into_chunks("f", out, seen.extend)
+    assert size == len(data) and bytes(out) == data and bytes(seen) == data
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_byte_in_any_piece_is_corruption_naming_the_file(
+    store: CheckpointStore, where: str
+) -> None:
+    path, file = biggest_shard(store)
+    data = bytearray(file.read_bytes())
+    at = {"first": 3, "middle": len(data) // 2 + 1, "last": len(data) - 2}[where]
+    data[at] ^= 0x40
+    file.write_bytes(data)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as caught:
+        store.load(1)
+    assert path in str(caught.value) and "step 1" in str(caught.value)
+
+
+@pytest.mark.parametrize("change", ["truncated", "extended"])
+def test_a_file_of_another_size_is_an_error_naming_it(store: CheckpointStore, change: str) -> None:
+    path, file = biggest_shard(store)
+    data = file.read_bytes()
+    file.write_bytes(data[: -PIECE - 5] if change == "truncated" else data + b"\0" * 3)
+    expected = len(data) - PIECE - 5 if change == "truncated" else len(data) + 3
+    for load in (lambda: store.load(1), lambda: store.read_file(store.info(1), path)):
+        # load lists sizes first; read_file finds the size by reading
+        with pytest.raises(CorruptCheckpointError, match=f"{expected} bytes") as caught:
+            load()
+        assert path in str(caught.value)
+
+
+def test_a_backend_without_piece_reads_checks_the_whole_file_after(
+    store: CheckpointStore,
+) -> None:
+    proxy = BackendProxy(store.backend)
+    assert not isinstance(proxy, ChunkedReadInto)
+    entry = max(store.info(1).files, key=lambda f: f.size)
+    good = read_verified(proxy, 1, entry)
+    assert bytes(good) == bytes(read_verified(store.backend, 1, entry))
+    _, file = biggest_shard(store)
+    data = bytearray(file.read_bytes())
+    data[len(data) // 3] ^= 1
+    file.write_bytes(data)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        read_verified(proxy, 1, entry)
+
+
+def test_sha256_is_checked_piece_by_piece_too(store: CheckpointStore) -> None:
+    import dataclasses
+    import hashlib
+
+    entry = max(store.info(1).files, key=lambda f: f.size)
+    data = store.backend.read(entry.key(1))
+    right = dataclasses.replace(entry, sha256=hashlib.sha256(data).hexdigest())
+    assert bytes(read_verified(store.backend, 1, right)) == data
+    wrong = dataclasses.replace(entry, sha256="0" * 64)
+    with pytest.raises(CorruptCheckpointError, match="SHA-256 mismatch"):
+        read_verified(store.backend, 1, wrong)
+
+
+def test_loads_without_huge_pages_or_read_ahead_hints_read_the_same(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptstore.verified as verified
+
+    monkeypatch.setattr(verified, "HUGE_PAGE", 1)  # every buffer asks
+    monkeypatch.setattr(verified, "HUGE_PAGE_ADVICE", -1)  # and the kernel refuses (EINVAL)
+    with pytest.raises(OSError):
+        mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS).madvise(-1)
+    assert same(store.load(1), state())
+    monkeypatch.setattr(verified, "HUGE_PAGE_ADVICE", None)  # a platform without the advice
+    monkeypatch.delattr(os, "posix_fadvise")  # nor read-ahead hints
+    assert same(store.load(1), state())
+
+
+# -- S3: bodies read straight into the destination -------------------------------------------
+
+
+@pytest.fixture
+def transfers(s3_endpoint: str, s3_bucket: str) -> Iterator[tuple[Any, Transfers]]:
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    yield client, Transfers(client, s3_bucket, 4, 3, checksums=True)
+    client.close()
+
+
+@pytest.fixture(params=["readinto", "no readinto"])
+def body_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each S3 test runs on both paths: botocore's ``readinto``, and the fallback for a
+    botocore whose bodies have none."""
+    if request.param == "no readinto":
+        monkeypatch.setattr(StreamingBody, "readinto", None)
+        monkeypatch.setattr(StreamingChecksumBody, "readinto", None)
+    return str(request.param)
+
+
+def test_ranged_reads_in_pieces_land_every_byte_in_place(
+    transfers: tuple[Any, Transfers], s3_bucket: str, small_pieces: None, body_reads: str
+) -> None:
+    client, moves = transfers
+    data = os.urandom(7 * PIECE + 123)
+    client.put_object(Bucket=s3_bucket, Key="obj", Body=data)
+    for part_size in (len(data), 2 * PIECE + 1, PIECE // 3):
+        out = memoryview(mmap.mmap(-1, len(data), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+        assert moves.read_into("obj", out, part_size) == len(data)
+        assert bytes(out) == data
+
+
+@pytest.mark.parametrize("expected", [-500, +500])
+def test_an_object_of_another_size_reports_its_true_size(
+    transfers: tuple[Any, Transfers],
+    s3_bucket: str,
+    small_pieces: None,
+    body_reads: str,
+    expected: int,
+) -> None:
+    client, moves = transfers
+    data = os.urandom(5 * PIECE)
+    client.put_object(Bucket=s3_bucket, Key="obj", Body=data)
+    out = memoryview(bytearray(len(data) + expected))
+    assert moves.read_into("obj", out, 2 * PIECE) == len(data)
+    assert bytes(out[: min(len(out), len(data))]) == data[: len(out)]
+
+
+def test_a_body_longer_than_the_buffer_counts_every_byte(body_reads: str) -> None:
+    class Body:  # a server that ignored the Range header
+        def __init__(self, data: bytes) -> None:
+            self.rest = data
+
+        def read(self, amt: int | None = None) -> bytes:
+            taken, self.rest = self.rest[: amt or None], self.rest[amt or len(self.rest) :]
+            return taken
+
+        def readinto(self, b: memoryview) -> int:
+            taken = self.read(len(b))
+            b[: len(taken)] = taken
+            return len(taken)
+
+    out = memoryview(bytearray(10))
+    assert read_body_into(Body(b"x" * 25), out) == 25 and bytes(out) == b"x" * 10
+    plain = Body(b"y" * 25)
+    plain.readinto = None  # type: ignore[assignment,method-assign]
+    assert read_body_into(plain, out) == 25 and bytes(out) == b"y" * 10
+
+
+def test_s3_loads_in_pieces_return_the_bytes_saved_and_catch_corruption(
+    s3_uri: str,
+    s3_options: dict[str, Any],
+    s3_client: Any,
+    s3_bucket: str,
+    small_pieces: None,
+    body_reads: str,
+) -> None:
+    with CheckpointStore(s3_uri, storage_options=s3_options, shard_size=40_000) as store:
+        store.save(1, state())
+        assert same(store.load(1), state())
+        entry = max(store.info(1).files, key=lambda f: f.size)
+        key = f"run/{entry.key(1)}"
+        data = bytearray(s3_client.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+        data[len(data) // 2] ^= 2
+        s3_client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(data))
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as caught:
+            store.load(1)
+        assert entry.path in str(caught.value)
+        s3_client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(data[:-PIECE]))
+        with pytest.raises(CorruptCheckpointError, match=f"{len(data) - PIECE} bytes"):
+            store.read_file(store.info(1), entry.path)
