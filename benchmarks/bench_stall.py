@@ -25,7 +25,6 @@ copy taken (untimed) when it was made. See benchmarks/README.md, "Training-loop 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -181,11 +180,6 @@ def clone_seconds(state: Any, repeats: int = 3) -> list[float]:
     return times
 
 
-def overlap_available() -> bool:
-    """Whether this ckptstore has ``save_async(..., overlap=optimizer)``."""
-    return "overlap" in inspect.signature(CheckpointStore.save_async).parameters
-
-
 # -- one run ----------------------------------------------------------------------------------
 
 
@@ -290,8 +284,7 @@ def _save(
     elif run.mode == "async":
         handle = store.save_async(step, state)
     else:
-        save_async: Any = store.save_async  # overlap= is checked for before the run
-        handle = save_async(step, state, overlap=trainer.optimizer)
+        handle = store.save_async(step, state, overlap=trainer.optimizer)
     spent = time.perf_counter() - started
     if run.mode != "blocking":
         run.waited_previous.append(running)
@@ -603,9 +596,6 @@ def run_round(
         run = Run(target, mode, rnd)
         runs.append(run)
         print(f"[round {rnd + 1}/{args.rounds}] {target} {mode} ...", file=sys.stderr, flush=True)
-        if mode == "overlapped" and not overlap_available():
-            run.error = "not available: save_async has no overlap= keyword here"
-            continue
         name = f"{target}-{mode}-{rnd}-{uuid.uuid4().hex[:6]}"
         where = targets.get(target)
         store = where.open(name) if where is not None else None
@@ -659,7 +649,6 @@ def main(argv: list[str] | None = None) -> int:
             "layers": LAYERS,
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
-            "overlap_available": overlap_available(),
             "save_points": save_points(args.steps, args.every),
         }
         args_out = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
