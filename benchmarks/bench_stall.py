@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_state import tensors
 from torch import nn
 
 from ckptstore import CheckpointStore
@@ -157,15 +158,6 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "step": step,
         }
-
-
-def tensors(value: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(value, torch.Tensor):
-        yield "", value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            for path, tensor in tensors(item):
-                yield f"{key}/{path}" if path else str(key), tensor
 
 
 def clone_seconds(state: Any, repeats: int = 3) -> list[float]:
