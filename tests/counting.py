@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ckptstore import layout
 from ckptstore.backends.base import Backend, BackendProxy, ObjectInfo
@@ -37,6 +37,12 @@ class CountingBackend(BackendProxy):
     def read_into(self, path: str, out: memoryview) -> int:
         self._count_read(path)
         return super().read_into(path, out)
+
+    def read_into_chunks(
+        self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
+    ) -> int:
+        self._count_read(path)
+        return super().read_into_chunks(path, out, on_chunk)
 
     def stat(self, path: str) -> ObjectInfo | None:
         if self._heads:

@@ -331,10 +331,11 @@ def test_prune_keeps_the_best_by_a_metric_and_one_step_per_interval(scored: str)
 
 def test_retention_option_errors_exit_2(scored: str) -> None:
     cases = [
-        (["prune", scored, "--keep-best", "2"], "keep_best needs best_metric"),
-        (["prune", scored, "--keep-best", "2", "--best-metric", "val_loss"], "best_mode"),
-        (["prune", scored, "--best-metric", "val_loss"], "only apply with keep_best"),
-        (["ls", scored, "--keep-best", "1"], "keep_best needs best_metric"),
+        # the CLI's own names for the options, never the Python arguments'
+        (["prune", scored, "--keep-best", "2"], "--keep-best needs --best-metric"),
+        (["prune", scored, "--keep-best", "2", "--best-metric", "val_loss"], "--best-mode"),
+        (["prune", scored, "--best-metric", "val_loss"], "only apply with --keep-best"),
+        (["ls", scored, "--keep-best", "1"], "--keep-best needs --best-metric"),
         ([*("prune", scored), *BEST2[:4], "--best-mode", "avg"], "'avg' is not one of"),
         (["prune", scored, "--keep-every-seconds", "0"], "--keep-every-seconds"),
         (["prune", scored, "--keep-best", "0"], "--keep-best"),
@@ -346,6 +347,7 @@ def test_retention_option_errors_exit_2(scored: str) -> None:
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert done.stdout == "" and needle in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr
+        assert "keep_best" not in done.stderr and "best_metric" not in done.stderr, done.stderr
     assert committed(scored) == [1, 2, 3, 4, 5, 6]
 
 

@@ -18,7 +18,6 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.backends.base import BackendProxy
 from ckptstore.backends.registry import open_backend
-from ckptstore.commit import Committer
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
@@ -31,6 +30,7 @@ from ckptstore.layout import LATEST_NAME, manifest_path, step_dir
 from ckptstore.payload import SourceFile
 from faults import FaultyBackend, InjectedFault
 from keys import file_key
+from parts import committer_for
 
 StoreFactory = Callable[..., CheckpointStore]
 
@@ -66,7 +66,7 @@ def assert_state_is(state: dict[str, Any], step: int) -> None:
 def test_payload_without_manifest_is_not_a_step(make_store: StoreFactory) -> None:
     store = make_store()
     store.save(1, state_for(1))
-    committer = Committer(store.backend, writer="test")
+    committer = committer_for(store.backend, writer="test")
     committer.write_payload(2, [SourceFile("state.json", lambda: [b"{}"])])
     assert [i.step for i in store.list()] == [1]
     assert store.latest() is not None and store.latest().step == 1  # type: ignore[union-attr]
@@ -99,7 +99,7 @@ def test_concurrent_commits_of_one_step_let_exactly_one_win(make_store: StoreFac
     if not make_store().backend.capabilities.atomic_create:
         pytest.skip("this backend cannot make create-only writes atomic (documented)")
     store = make_store()
-    committer = Committer(store.backend, writer="test")
+    committer = committer_for(store.backend, writer="test")
     entries = committer.write_payload(3, [SourceFile("state.json", lambda: [b"{}"])])
     from ckptstore.manifest import KIND_DIRECTORY, Manifest
 
@@ -108,7 +108,7 @@ def test_concurrent_commits_of_one_step_let_exactly_one_win(make_store: StoreFac
     def commit(writer: str) -> None:
         manifest = Manifest(3, 1.0, KIND_DIRECTORY, tuple(entries), store._env(), writer)
         try:
-            Committer(store.backend, writer=writer).commit(manifest)
+            committer_for(store.backend, writer=writer).commit(manifest)
             outcomes.append("won")
         except ConflictError:
             outcomes.append("lost")
@@ -213,7 +213,7 @@ def test_retention_keeps_latest_pins_and_newer_steps(make_store: StoreFactory) -
         store.save(step, state_for(step))
     assert [i.step for i in store.list()] == [20, 40, 50]
     # a step newer than latest (committed by a writer that has not moved latest yet) survives
-    other = Committer(store.backend, writer="other")
+    other = committer_for(store.backend, writer="other")
     entries = other.write_payload(60, [SourceFile("x", lambda: [b"x"])])
     from ckptstore.manifest import KIND_DIRECTORY, Manifest
 
@@ -224,22 +224,28 @@ def test_retention_keeps_latest_pins_and_newer_steps(make_store: StoreFactory) -
     assert store.prune() == []  # without a pointer nothing is known to be safe to delete
 
 
-def test_interrupted_prune_leaves_only_garbage_that_gc_removes(make_store: StoreFactory) -> None:
+@pytest.mark.parametrize("finisher", ["gc", "prune"])
+def test_an_interrupted_prune_is_finished_by_the_next_gc_or_prune(
+    make_store: StoreFactory, finisher: str
+) -> None:
     store = make_store()
     for step in (1, 2, 3):
         store.save(step, state_for(step))
     garbage = file_key(store, 1, "state.json")
     faulty = FaultyBackend(store.backend, fail_at=2, mode="crash")  # dies after the manifest
-    pruner = CheckpointStore(store.uri, keep_last=1, backend=faulty)
+    pruner = CheckpointStore(store.uri, keep_last=1, backend=faulty, lease=False)
     with pytest.raises(InjectedFault):
         pruner.prune()
     store.reload()  # another store object removed a step: forget the manifests read before
     assert [i.step for i in store.list()] == [2, 3]  # step 1 is uncommitted, not half-there
-    assert store.backend.stat(garbage) is not None  # garbage remains
-    report = store.gc(older_than=0)
-    assert garbage in report.deleted
-    assert [o.path for o in store.backend.list(step_dir(1) + "/")] == [manifest_path(1)]
-    assert [i.step for i in store.list()] == [2, 3]  # the tombstone is not a step
+    assert store.backend.stat(garbage) is not None  # garbage remains, under a tombstone
+    if finisher == "gc":
+        report = store.gc(older_than=0)  # even with this store holding the lease
+        assert garbage in report.deleted and manifest_path(1) in report.deleted
+    else:  # keep_last=2: nothing more to delete, and step 1's removal is finished on the way
+        assert make_store(keep_last=2, lease=False).prune() == []
+    assert list(store.backend.list(step_dir(1) + "/")) == []  # payload and tombstone gone
+    assert [i.step for i in store.list()] == [2, 3]
 
 
 class SwapAnswerLost(BackendProxy):
@@ -328,7 +334,7 @@ def test_failed_payload_stream_leaves_nothing_behind(make_store: StoreFactory) -
         yield b"y" * (6 << 20)
         raise RuntimeError("the trainer died mid-stream")
 
-    committer = Committer(store.backend, writer="test")
+    committer = committer_for(store.backend, writer="test")
     with pytest.raises(RuntimeError, match="mid-stream"):
         committer.write_payload(9, [SourceFile("big.bin", exploding)])
     assert store.backend.partial_writes("") == []
@@ -358,7 +364,7 @@ def test_capabilities_are_reported_and_commits_still_refuse_overwrites(
     assert isinstance(caps.atomic_create, bool) and isinstance(caps.atomic_swap, bool)
     store.save(1, state_for(1))
     with pytest.raises(ConflictError):  # even without atomic create, a re-commit is refused
-        Committer(store.backend, writer="late").commit(store.info(1).manifest)
+        committer_for(store.backend, writer="late").commit(store.info(1).manifest)
     assert_state_is(store.load(1), 1)
 
 

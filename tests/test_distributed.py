@@ -18,11 +18,11 @@ from ckptstore import (
     NotFoundError,
 )
 from ckptstore.commit import Previous
+from ckptstore.coordination import Plan
 from ckptstore.distributed import (
     load_distributed,
     rank_dir,
     save_distributed,
-    split_by_rank,
 )
 from ckptstore.layout import LEASE_NAME, step_dir
 from ckptstore.manifest import FileEntry
@@ -83,10 +83,14 @@ def test_each_rank_is_handed_only_the_previous_files_of_its_own_folder() -> None
         f"{rank_dir(1)}x/state.json",  # a look-alike folder
         "state.json",  # a plain save's file
     ]
-    cut = split_by_rank(Previous(7, tuple(entry(p) for p in paths)), 3)
-    assert [[f.path for f in p.files] for p in cut] == [[paths[0]], paths[1:3], []]
-    assert {p.step for p in cut} == {7}
-    assert split_by_rank(Previous(None), 2) == [Previous(None), Previous(None)]
+    folders = [rank_dir(r) for r in range(3)]
+    plan = Plan(9, "state", 3, Previous(7, tuple(entry(p) for p in paths)))
+    cut = plan.split(folders)
+    assert [[f.path for f in p.previous.files] for p in cut] == [[paths[0]], paths[1:3], []]
+    assert {p.previous.step for p in cut} == {7}
+    assert {(p.step, p.kind, p.epoch) for p in cut} == {(9, "state", 3)}
+    empty = Plan(9, "state", 0, Previous(None))
+    assert empty.split(folders[:2]) == [empty, empty]
 
 
 def test_an_unchanged_rank_copies_its_files_from_the_step_rank_0_read(tmp_path: Path) -> None:

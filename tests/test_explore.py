@@ -1,4 +1,4 @@
-"""The deterministic interleaving explorer (ckptstore.testing.explore) and its self-tests.
+"""The deterministic interleaving explorer (harness.explore) and its self-tests.
 
 Each scenario runs at its CI bound (two actors: 2 preemptions; all four: 1; at most one crash
 everywhere) and must hold every invariant while exploring at least a known number of schedules,
@@ -22,11 +22,11 @@ from ckptstore import layout
 from ckptstore.checksum import Crc32c
 from ckptstore.environment import current_environment
 from ckptstore.manifest import KIND_DIRECTORY, FileEntry, Manifest
-from ckptstore.testing import explore as ex
-from ckptstore.testing.invariants import payload_key
-from ckptstore.testing.scenarios import SCENARIOS, Scenario, World
-from ckptstore.testing.scheduled_backend import ScheduledBackend
-from ckptstore.testing.scheduler import Actor, Choice, ExplorerError, InlineExecutor, Scheduler
+from harness import explore as ex
+from harness.invariants import payload_key
+from harness.scenarios import SCENARIOS, Scenario, World
+from harness.scheduled_backend import ScheduledBackend
+from harness.scheduler import Actor, Choice, ExplorerError, InlineExecutor, Scheduler
 
 MIN_SCHEDULES = {
     "same-step": 400,

@@ -20,7 +20,6 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.s3 import S3Backend
-from ckptstore.commit import Committer
 from ckptstore.errors import (
     BackendError,
     ConflictError,
@@ -30,6 +29,7 @@ from ckptstore.errors import (
 from ckptstore.layout import LATEST_NAME
 from ckptstore.payload import SourceFile
 from ckptstore.testing.faultproxy import QUIRKS, FaultProxy
+from parts import committer_for
 
 MiB = 1 << 20
 ProxyFactory = Callable[..., FaultProxy]
@@ -182,11 +182,11 @@ def exercise(uri: str, opts: dict[str, Any]) -> CheckpointStore:
     rival = CheckpointStore(uri, storage_options=opts, lease=False)
     forged = dataclasses.replace(original, writer="rival", metadata={"rival": True})
     with pytest.raises(ConflictError, match="already committed"):
-        Committer(rival.backend, writer="rival").commit(forged)
+        committer_for(rival.backend, writer="rival").commit(forged)
     with pytest.raises(ConflictError, match="already committed"):
         rival.save(2, state_for(99))
     # even a writer holding a newer lease epoch moves latest only forward
-    assert not Committer(rival.backend, writer="rival").advance_latest(1, epoch=99)
+    assert not committer_for(rival.backend, writer="rival").advance_latest(1, epoch=99)
     assert store.latest().step == 2  # type: ignore[union-attr]
     assert store.info(2).manifest == original
     store.save(3, state_for(3, mib=6))
@@ -312,7 +312,7 @@ def test_no_upload_listing_degrades_gc_with_one_warning(
         raise RuntimeError("the trainer died mid-stream")
 
     with caplog.at_level(logging.WARNING, logger="ckptstore"), pytest.raises(RuntimeError):
-        Committer(store.backend, writer="t").write_payload(9, [SourceFile("big", exploding)])
+        committer_for(store.backend, writer="t").write_payload(9, [SourceFile("big", exploding)])
     assert "could not abort multipart upload" in caplog.text
     assert "AbortIncompleteMultipartUpload" in caplog.text
     assert len(uploads(s3_client, s3_bucket)) == 1  # the server would not abort it

@@ -179,17 +179,30 @@ def test_a_pinned_step_is_judged_by_its_manifest(opened: CheckpointStore) -> Non
     assert layout.pin_path(2) in report.deleted and layout.pin_path(1) not in report.deleted
 
 
-def test_a_tombstone_alone_is_dropped_after_a_day(tmp_path: Path) -> None:
-    with CheckpointStore(str(tmp_path / "s"), lease=False) as opened:
+def test_a_tombstone_alone_is_kept_a_day_while_a_writer_holds_the_lease(tmp_path: Path) -> None:
+    with CheckpointStore(str(tmp_path / "s")) as opened:  # it holds the lease once it saves
         opened.save(1, {"x": 1})
         key = tmp_path / "s" / layout.manifest_path(3)
         key.parent.mkdir()
         key.write_bytes(encode_tombstone("w", 1.0, ["0" * 16]))
         store, backend = counted(opened)
-        assert store.gc(older_than=0).deleted == ()  # young: left alone, and not read
+        report = store.gc(older_than=0)
+        assert report.deleted == ()  # young, with a live writer: left alone, and not read
         assert backend.calls["manifest GET"] == 0
         os.utime(key, (key.stat().st_mtime - DAY - 60,) * 2)
         assert store.gc(older_than=0).deleted == (layout.manifest_path(3),)
+        assert not key.exists()
+
+
+def test_a_tombstone_alone_goes_at_once_when_no_writer_holds_the_lease(tmp_path: Path) -> None:
+    with CheckpointStore(str(tmp_path / "s")) as writer:
+        writer.save(1, {"x": 1})  # the store uses the lease; closing releases it
+    with CheckpointStore(str(tmp_path / "s"), lease=False) as opened:
+        key = tmp_path / "s" / layout.manifest_path(3)
+        key.parent.mkdir()
+        key.write_bytes(encode_tombstone("w", 1.0, ["0" * 16]))
+        assert counted(opened)[0].gc(older_than=3600).deleted == ()  # younger than the grace
+        assert counted(opened)[0].gc(older_than=0).deleted == (layout.manifest_path(3),)
         assert not key.exists()
 
 
@@ -231,4 +244,4 @@ def test_a_dead_save_staged_over_a_tombstone_is_read_and_removed(tmp_path: Path)
         staged = opened.stage_files(2, [SourceFile("a.bin", lambda: [b"a"])])
         report = counted(opened)[0].gc(older_than=0)
         assert {e.key(2) for e in staged} <= set(report.deleted)
-        assert files_of(opened, 2) == [layout.manifest_path(2)]
+        assert files_of(opened, 2) == [layout.manifest_path(2)]  # no lease: it stays a day

@@ -162,6 +162,7 @@ def test_a_commit_racing_gc_fails_cleanly_and_loses_nothing_committed(
     assert refused
     assert [i.step for i in writer.list()] == [1] and writer.verify(1).ok
     assert writer.latest().step == 1  # type: ignore[union-attr]
+    # a store without leases cannot prove the writer dead: gc's tombstone stays a day
     assert [o.path for o in writer.backend.list(step_dir(2) + "/")] == [manifest_path(2)]
     writer.save(2, state_for(2))  # a save that starts after the tombstone commits over it
     assert writer.verify(2).ok

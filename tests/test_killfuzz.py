@@ -1,4 +1,4 @@
-"""The kill fuzzer (ckptstore.testing.killfuzz): a modest run in CI, and proof its checker bites.
+"""The kill fuzzer (harness.killfuzz): a modest run in CI, and proof its checker bites.
 
 The CI run SIGKILLs savers 52 times (13 for each of sync/async x local/S3) at seeded random
 moments and checks the store after each kill; the long run (1,000 kills) is the same command
@@ -17,9 +17,9 @@ import pytest
 
 from ckptstore import CheckpointStore
 from ckptstore.layout import manifest_path
-from ckptstore.testing import killfuzz
-from ckptstore.testing.killcheck import Findings, LocalView, check
-from ckptstore.testing.killsaver import make_state
+from harness import killfuzz
+from harness.killcheck import Findings, LocalView, check
+from harness.killsaver import make_state
 
 SEED = 5
 
@@ -29,7 +29,7 @@ def test_fifty_kills_lose_nothing(tmp_path: Path) -> None:
     command = [
         sys.executable,
         "-m",
-        "ckptstore.testing.killfuzz",
+        "harness.killfuzz",
         "--seed",
         "20",
         "--kills",
@@ -41,7 +41,10 @@ def test_fifty_kills_lose_nothing(tmp_path: Path) -> None:
         "--workdir",
         str(tmp_path),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    harness_on_path = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, check=False, env=harness_on_path
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-5000:]
     rows = {tuple(line.split()[:2]): line.split() for line in done.stdout.splitlines()}
     for mode in ("sync", "async"):

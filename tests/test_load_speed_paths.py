@@ -26,7 +26,7 @@ from ckptstore.backends.base import BackendProxy
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.s3_transfer import Transfers, read_body_into
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.verified import ChunkedReadInto, read_verified
+from ckptstore.verified import read_verified
 from keys import file_key
 
 PIECE = 1000
@@ -72,7 +72,6 @@ def biggest_shard(store: CheckpointStore) -> tuple[str, Path]:
 
 def test_a_load_read_in_pieces_returns_the_bytes_saved(store: CheckpointStore) -> None:
     assert len(store.info(1).files) > 3  # several shards, read in parallel
-    assert isinstance(store.backend, ChunkedReadInto)
     assert same(store.load(1), state())
 
 
@@ -111,11 +110,21 @@ def test_a_file_of_another_size_is_an_error_naming_it(store: CheckpointStore, ch
         assert path in str(caught.value)
 
 
-def test_a_backend_without_piece_reads_checks_the_whole_file_after(
+def test_a_proxied_backend_reads_in_the_same_pieces_as_the_backend_it_wraps(
     store: CheckpointStore,
 ) -> None:
+    path, _ = biggest_shard(store)
+    key = file_key(store, 1, path)
+    size = store.info(1).manifest.file(path).size
+    pieces: dict[str, list[int]] = {"plain": [], "proxied": []}
+    for name, backend in (("plain", store.backend), ("proxied", BackendProxy(store.backend))):
+        out = memoryview(bytearray(size))
+        backend.read_into_chunks(key, out, lambda piece, n=name: pieces[n].append(len(piece)))
+    assert pieces["plain"] == pieces["proxied"] and len(pieces["plain"]) > 20
+
+
+def test_a_proxied_backend_checks_every_byte(store: CheckpointStore) -> None:
     proxy = BackendProxy(store.backend)
-    assert not isinstance(proxy, ChunkedReadInto)
     entry = max(store.info(1).files, key=lambda f: f.size)
     good = read_verified(proxy, 1, entry)
     assert bytes(good) == bytes(read_verified(store.backend, 1, entry))

@@ -11,7 +11,7 @@ import json
 import logging
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,12 @@ class Recording(BackendProxy):
     def read_into(self, path: str, out: memoryview) -> int:
         self.reads.append(path)
         return super().read_into(path, out)
+
+    def read_into_chunks(
+        self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
+    ) -> int:
+        self.reads.append(path)
+        return super().read_into_chunks(path, out, on_chunk)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         self.listings += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,13 @@ class Reads(BackendProxy):
         if path in self.payload:
             self.whole.append(path)
         return self.inner.read_into(path, out)
+
+    def read_into_chunks(
+        self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
+    ) -> int:
+        if path in self.payload:
+            self.whole.append(path)
+        return self.inner.read_into_chunks(path, out, on_chunk)
 
 
 def through(store: CheckpointStore, proxy: Reads) -> CheckpointStore:

@@ -7,6 +7,7 @@ cluster's bill.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,11 @@ import torch
 
 from ckptstore import CheckpointStore, layout
 from ckptstore.backends.local import LocalBackend
-from ckptstore.commit import Committer, Previous
-from ckptstore.errors import ConflictError, StepBehindLatestError
+from ckptstore.errors import ConflictError, NotFoundError, StepBehindLatestError
 from ckptstore.manifest import KIND_STATE, Manifest
 from ckptstore.payload import SourceFile
 from counting import CountingBackend
+from parts import committer_for
 
 STEPS = 10_000
 EVERY = 10
@@ -38,7 +39,7 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         target = root / layout.manifest_path(n * EVERY)
         target.parent.mkdir(parents=True)
         target.write_bytes(manifest.encode())
-    Committer(seed.backend, writer="seed").advance_latest(STEPS * EVERY)
+    committer_for(seed.backend, writer="seed").advance_latest(STEPS * EVERY)
     return root
 
 
@@ -52,19 +53,25 @@ def state() -> dict[str, torch.Tensor]:
 
 
 def test_a_save_with_retention_reads_a_bounded_number_of_manifests(big_store: Path) -> None:
-    """keep_last=3 confirms the three newest steps by reading their manifests; the 9,997 older
-    ones are judged on the listing's word (keep_every keeps them all): nothing else is read."""
+    """keep_last=3 counts the three newest steps; the 9,997 older ones are judged on the
+    listing's word (keep_every keeps them all). A save reads its previous step's manifest,
+    the newest ones only once per process, and nothing that grows with the steps kept."""
     store, backend = open_counted(big_store, keep_last=3, keep_every=EVERY)
     step = (STEPS + 1) * EVERY
     try:
         store.save(step, state())
         calls = backend.take()
-        # the previous manifest (incremental), then the three newest, read afresh
-        assert calls["manifest GET"] == 1 + 3, calls
+        # the previous manifest (incremental, so remembered), then the third newest
+        assert calls["manifest GET"] == 1 + 1, calls
         assert calls["LIST dirs"] == 1, calls
-        assert len(store.list()) == STEPS + 1
+        store.save(step + EVERY, state())
+        calls = backend.take()
+        assert calls["manifest GET"] == 1, calls  # the previous step's, for incremental copies
+        assert len(store.list()) == STEPS + 2
     finally:
-        store.delete(step, force=True)
+        for saved in (step + EVERY, step):
+            with contextlib.suppress(NotFoundError):
+                store.delete(saved, force=True)
 
 
 def test_a_save_without_retention_reads_one_manifest(big_store: Path) -> None:
@@ -156,32 +163,36 @@ def test_a_stager_handed_the_previous_step_reads_neither_pointer_nor_manifest(
     first = store.stage_files(1, staged_files(b"same"), kind=KIND_STATE)
     store.commit_files(1, first, kind=KIND_STATE)
     backend.take()
-    previous = store.previous(KIND_STATE)
-    assert backend.take() == Counter({"pointer GET": 1, "manifest GET": 1})
-    mine = previous.among(["rank_00001/a.bin"])
-    second = store.stage_files(2, staged_files(b"same"), kind=KIND_STATE, previous=mine)
-    assert backend.take() == Counter(), "a rank given previous= reads nothing"
+    save = store.begin_save(2, kind=KIND_STATE)
+    begun = backend.take()
+    assert begun["pointer GET"] == 1 and begun["manifest GET"] == 1, begun
+    mine = save.plan.among(["rank_00001/a.bin"])
+    second = store.stage_files(2, staged_files(b"same"), plan=mine)
+    assert backend.take() == Counter(), "a rank given its plan reads nothing"
     assert {e.path: e.copied_from for e in second} == {
         "rank_00001/a.bin": 1,  # handed to it: copied
         "rank_00001/b.bin": None,  # not handed to it: uploaded
     }
-    info = store.commit_files(2, second, kind=KIND_STATE)
+    info = save.commit(second)
     assert bytes(store.read_file(info, "rank_00001/a.bin")) == b"samea"
 
 
-def test_a_stager_needs_the_pointer_only_to_refuse_a_step_behind_latest(tmp_path: Path) -> None:
+def test_only_the_coordinator_refuses_a_step_behind_latest_and_reads_once(
+    tmp_path: Path,
+) -> None:
     store, backend = open_counted(tmp_path / "store", incremental=False)
     store.commit_files(5, store.stage_files(5, staged_files(b"x"), kind=KIND_STATE))
     backend.take()
-    store.discard(6)
     store.stage_files(6, staged_files(b"y"), kind=KIND_STATE)
-    assert backend.take()["pointer GET"] == 1  # not incremental: no manifest
-    store.stage_files(3, staged_files(b"z"), kind=KIND_STATE, allow_older=True)
     calls = backend.take()
-    assert calls["pointer GET"] == calls["manifest GET"] == 0, calls
+    assert calls["pointer GET"] == calls["manifest GET"] == 0, "a stager reads nothing"
     with pytest.raises(StepBehindLatestError, match="latest is step 5"):
-        store.stage_files(4, staged_files(b"w"), kind=KIND_STATE, previous=Previous(5))
-    assert backend.take()["pointer GET"] == 0  # the coordinator's word on latest
+        store.begin_save(4, kind=KIND_STATE)
+    calls = backend.take()
+    assert calls["pointer GET"] == 1, calls  # not incremental: no manifest of latest's
+    assert calls["manifest GET"] == 1, calls  # only to confirm latest is really committed
+    store.begin_save(3, kind=KIND_STATE, allow_older=True)
+    assert backend.take()["manifest GET"] == 0
 
 
 def test_a_process_that_only_stages_never_probes_s3(
@@ -196,11 +207,9 @@ def test_a_process_that_only_stages_never_probes_s3(
 
     with CheckpointStore(s3_uri, storage_options=s3_options, lease=False) as stager:
         stager.backend._client.meta.events.register("before-send.s3", count)  # type: ignore[attr-defined]
-        entries = stager.stage_files(
-            1, staged_files(b"x"), kind=KIND_STATE, previous=Previous(None)
-        )
-        assert counts == Counter({"PutObject": 1 + 2, "HeadObject": 1, "HeadBucket": 1}), counts
-        rival = stager.stage_files(1, staged_files(b"y"), kind=KIND_STATE, previous=Previous(None))
+        entries = stager.stage_files(1, staged_files(b"x"), kind=KIND_STATE)
+        assert counts == Counter({"PutObject": 1 + 2}), counts
+        rival = stager.stage_files(1, staged_files(b"y"), kind=KIND_STATE)
         assert counts["DeleteObjects"] == 0, counts
     with CheckpointStore(s3_uri, storage_options=s3_options) as coordinator:
         info = coordinator.commit_files(1, entries, kind=KIND_STATE)

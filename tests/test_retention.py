@@ -33,6 +33,7 @@ from ckptstore.retention import (
     steps_to_delete,
 )
 from counting import CountingBackend
+from parts import committer_for
 
 STEPS = [10, 20, 30, 40, 50, 60]
 
@@ -297,14 +298,6 @@ def test_rules_that_judge_records_need_records() -> None:
     assert steps_to_delete(nested, RECORDS, latest=60) == [10, 20, 30, 40, 50]
 
 
-def test_counted_steps_are_those_a_fixed_number_rule_keeps() -> None:
-    policy = RetentionPolicy(
-        keep_last=1, keep_every=20, keep_best=2, best_metric="loss", best_mode="min"
-    )
-    assert policy.counted(RECORDS) == {60, 40, 20}
-    assert RetentionPolicy(keep_every_seconds=1).counted(RECORDS) == set()
-
-
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -462,28 +455,28 @@ def test_a_step_newer_than_latest_is_never_deleted(tmp_path: Path, options: dict
 
 
 def test_metadata_rules_read_each_manifest_once_per_process(tmp_path: Path) -> None:
-    """keep_best reads every manifest at its first prune, then only the steps it counts
-    (afresh, as keep_last does) and manifests it has not seen."""
-    from ckptstore.commit import Committer
+    """keep_best reads every manifest at its first prune, then only manifests it has not
+    seen: a save reads its previous step's (incremental) and nothing that grows with the
+    steps kept."""
 
     root = tmp_path / "s"
     steps = 200
     for n in range(1, steps + 1):
         write_manifest(root, n, created=float(n), loss=1 / n)
-    Committer(LocalBackend(str(root), {}), writer="seed").advance_latest(steps)
+    committer_for(LocalBackend(str(root), {}), writer="seed").advance_latest(steps)
     backend = CountingBackend(LocalBackend(str(root), {}))
     options: dict[str, Any] = {"keep_best": 3, "best_metric": "loss", "best_mode": "min"}
     store = CheckpointStore(str(root), backend=backend, lease=False, keep_every=1, **options)
     assert store.prune() == []
     first = backend.take()
-    assert first["manifest GET"] == steps + 3 and first["LIST dirs"] == 1, first
+    assert first["manifest GET"] == steps and first["LIST dirs"] == 1, first
     assert store.prune() == []
     again = backend.take()
-    assert again == Counter({"manifest GET": 3, "pointer GET": 1, "LIST dirs": 1, "LIST": 1}), again
+    assert again == Counter({"pointer GET": 1, "LIST dirs": 1, "LIST": 1}), again
     store.save(steps + 1, {"w": torch.ones(2)}, {"loss": 0.0})
     calls = backend.take()
-    # the previous step (incremental), then the three best afresh; the new one is remembered
-    assert calls["manifest GET"] == 1 + 3 and calls["LIST dirs"] == 1, calls
+    # the previous step's (incremental); the new one is remembered at its commit
+    assert calls["manifest GET"] == 1 and calls["LIST dirs"] == 1, calls
 
 
 # -- on S3 (moto on 127.0.0.1, from conftest) ------------------------------------------------

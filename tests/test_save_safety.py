@@ -171,7 +171,7 @@ def test_multi_rank_stage_and_commit_refuse_an_older_step(
     store = opened(store_uri, lease=False)
     store.save(20, state_for(20))
     with pytest.raises(StepBehindLatestError):
-        store.stage_files(5, files("a"))
+        store.begin_save(5)  # the coordinator refuses before any participant uploads
     assert not any(p.startswith("global_step_5") for p in objects(store))
 
     staged = store.stage_files(25, files("b"))  # newer than latest when staged
@@ -184,7 +184,7 @@ def test_multi_rank_stage_and_commit_refuse_an_older_step(
     assert {p for p in before if not p.startswith("global_step_25")} == set(objects(store))
     assert steps(store) == [20, 30]
 
-    again = store.stage_files(25, files("c"), allow_older=True)
+    again = store.stage_files(25, files("c"))
     assert store.commit_files(25, again, allow_older=True).step == 25
     assert steps(store) == [20, 25, 30]
     latest = store.latest()

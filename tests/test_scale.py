@@ -1,4 +1,4 @@
-"""The scale harness (ckptstore.testing.scale) at CI size: a 1,024-rank simulated save against
+"""The scale harness (scale) at CI size: a 1,024-rank simulated save against
 the throttling S3 costs exactly the requests of the README's model, and the operations on a
 store of many steps cost the same whatever the number of steps (except gc, reported)."""
 
@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from ckptstore.testing.scale import (
+from scale import (
     Phase,
     Rig,
     SaveConfig,
@@ -23,6 +22,7 @@ from ckptstore.testing.scale import (
     stage_model,
     steps_table,
 )
+
 from ckptstore.testing.throttle import Throttle
 from ranks import run_ranks
 
@@ -52,7 +52,7 @@ def test_a_1024_rank_save_costs_what_the_model_says(rig: Rig) -> None:
     [report] = simulate_save(rig, config)  # every rank's file is read back and compared
     assert report.failed_ranks == 0, report.error
     phases = by_name(report.phases)
-    assert admitted(phases["stage"]) == stage_model(RANKS, 1, processes=WORKERS, incremental=False)
+    assert admitted(phases["stage"]) == stage_model(RANKS, 1)
     # the commit grows with ranks only by the LIST pages that confirm the payload
     commit = admitted(phases["commit"])
     assert commit["ListObjects"] == list_pages(RANKS, 1) == 3
@@ -64,39 +64,28 @@ def test_a_1024_rank_save_costs_what_the_model_says(rig: Rig) -> None:
     assert "| 1 | stage (all ranks) |" in table and "manifest" in table
 
 
-def test_the_model_counts_a_steady_state_save_per_rank() -> None:
-    first = stage_model(4, 8, processes=4)
-    steady = stage_model(4, 8, processes=0, previous=True)
-    assert first == Counter({"PutObject": 4 * 9, "HeadObject": 4, "HeadBucket": 4})
-    assert steady == Counter({"PutObject": 36, "HeadObject": 4})
-    assert stage_model(4, 8, processes=0, previous=True, unchanged=8) == Counter(
-        {"PutObject": 4, "HeadObject": 4 * 9, "CopyObject": 32}
+def test_the_model_counts_a_save_per_rank() -> None:
+    assert stage_model(4, 8) == Counter({"PutObject": 4 * 9})
+    assert stage_model(4, 8, unchanged=8) == Counter(
+        {"PutObject": 4, "HeadObject": 4 * 8, "CopyObject": 32}
     )
-    # the older path: every rank read latest and the whole previous manifest
-    old = stage_model(4, 8, processes=0, previous=True, coordinated=False)
-    assert old == Counter({"PutObject": 36, "HeadObject": 4, "GetObject": 8})
-    assert stage_model(1, 2, processes=0, incremental=False, coordinated=False)["GetObject"] == 1
     assert list_pages(1024, 8) == 10
 
 
 def test_a_ranks_staging_costs_the_same_at_any_number_of_ranks(rig: Rig) -> None:
-    """Steady state, incremental: the requests per rank at 4 and at 32 ranks are the same (no
-    read of the previous manifest per rank); the older path, each rank reading it, is what
-    the model says too."""
+    """Steady state, incremental: the requests per rank at 4 and at 32 ranks are the same: no
+    rank reads anything, the coordinator reads latest and its manifest once."""
     per_rank = []
     for ranks in (4, 32):
         config = SaveConfig(ranks=ranks, files=2, file_size=64, workers=4, steps=2)
         reports = simulate_save(rig, config)
         assert [r.failed_ranks for r in reports] == [0, 0], reports[-1].error
         stage = admitted(by_name(reports[1].phases)["stage"])
-        assert stage == stage_model(ranks, 2, processes=0, previous=True), stage
+        assert stage == stage_model(ranks, 2), stage
         per_rank.append(Counter({op: n // ranks for op, n in stage.items()}))
         prepare = admitted(by_name(reports[1].phases)["prepare"])
         assert prepare["GetObject"] == 2, prepare  # latest and its manifest, once
-    assert per_rank[0] == per_rank[1] == Counter({"PutObject": 3, "HeadObject": 1})
-    config = SaveConfig(ranks=4, files=2, file_size=64, workers=4, steps=2, coordinated=False)
-    stage = admitted(by_name(simulate_save(rig, config)[1].phases)["stage"])
-    assert stage == stage_model(4, 2, processes=0, previous=True, coordinated=False), stage
+    assert per_rank[0] == per_rank[1] == Counter({"PutObject": 3})
 
 
 def requests_of(rows: list[StepsRow]) -> dict[str, int]:
@@ -151,23 +140,22 @@ def test_gloo_ranks_cost_what_the_simulation_models(
     s3_uri: str, s3_options: dict[str, Any], tmp_path: Path
 ) -> None:
     """8 real processes over gloo: every rank but the coordinator makes exactly the requests
-    ``stage_model`` predicts for one rank, first save and steady state alike: no GET at all
-    (rank 0 read ``latest`` and the previous manifest, and scattered each rank its entries)
-    and no capability probe (a rank that only stages never writes conditionally)."""
+    ``stage_model`` predicts for one rank, first save and steady state alike: no read at all
+    (rank 0 began the save, reading ``latest`` and the previous manifest once, and scattered
+    each rank its plan) and no capability probe (a rank that only stages never writes
+    conditionally)."""
     results = run_ranks(_save_twice, WORLD, tmp_path / "ranks", s3_uri, s3_options)
     for rank, ((first, files, _), (steady, files2, copied)) in enumerate(results):
         assert files == files2 >= 2, (rank, files, files2)
         if rank == 0:
             continue  # the coordinator also takes the lease and commits
-        assert Counter(first) == stage_model(1, files, processes=1), (rank, first)
-        assert Counter(steady) == stage_model(
-            1, files, processes=0, previous=True, unchanged=copied
-        ), (rank, steady, copied)
+        assert Counter(first) == stage_model(1, files), (rank, first)
+        assert Counter(steady) == stage_model(1, files, unchanged=copied), (rank, steady, copied)
         for counts in (first, steady):
             assert "GetObject" not in counts and "DeleteObjects" not in counts, (rank, counts)
             assert counts["PutObject"] + counts.get("CopyObject", 0) == files + 1, counts
     coordinator = Counter(results[0][1][0]) - stage_model(
-        1, results[0][1][1], processes=0, previous=True, unchanged=results[0][1][2]
+        1, results[0][1][1], unchanged=results[0][1][2]
     )
     assert coordinator["ListObjectsV2"] == list_pages(WORLD, results[0][1][1]), coordinator
     assert sum(coordinator.values()) <= 10, coordinator

@@ -26,10 +26,10 @@ def test_a_dcp_save_reads_the_previous_step_once_and_copies_an_unchanged_rank(
         dcp.save(state, storage_writer=CkptStoreWriter(store, 1))
         backend.take()
         dcp.save(state, storage_writer=CkptStoreWriter(store, 2))
-        # one read of the previous step for every rank and for .metadata (it was one per
-        # stage_files call); latest: that read, the commit's check, the move's swap
+        # one read of the previous step for every rank and for .metadata, when the save
+        # begins; latest: that read and the move's swap
         calls = backend.take()
-        assert (calls["manifest GET"], calls["pointer GET"]) == (1, 3), calls
+        assert (calls["manifest GET"], calls["pointer GET"]) == (1, 2), calls
         files = {f.path: f.copied_from for f in store.info(2).files}
         assert files == {"__0_0.distcp": 1, METADATA_FILE: None}  # a new save_id each save
         loaded = {"t": torch.zeros(6)}

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, ConflictError, NotFoundError
-from ckptstore.commit import Committer
 from ckptstore.errors import CompatibilityError, ConfigError
 from ckptstore.layout import LATEST_NAME, manifest_path, payload_path, pin_path, step_dir
 from ckptstore.payload import SourceFile
 from keys import file_key
+from parts import committer_for
 
 
 def state_for(step: int) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def test_delete_protects_latest_and_pins_unless_forced(store: CheckpointStore) -
 
 def test_gc_removes_garbage_only_once_it_is_old(store: CheckpointStore) -> None:
     store.save(1, state_for(1))
-    committer = Committer(store.backend, writer="crashed", clock=store.clock)
+    committer = committer_for(store.backend, writer="crashed", clock=store.clock)
     committer.write_payload(2, [SourceFile("state.json", lambda: [b"{}"])])  # never committed
     staged = [o.path for o in store.backend.list(step_dir(2) + "/")]
     store.backend.write(pin_path(9), [b"pinned\n"])  # pin of a step that is gone

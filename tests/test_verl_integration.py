@@ -263,9 +263,9 @@ def test_nodes_get_their_share_of_the_previous_step_from_the_driver(
             super().__init__(local_dir, uri, {})
             self.name = name
 
-        def stage(self, step: int, paths: Any, previous: Any = None) -> Any:
-            handed[self.name].append((step, sorted(paths), previous))
-            return super().stage(step, paths, previous)
+        def stage(self, plan: Any, paths: Any) -> Any:
+            handed[self.name].append((plan.step, sorted(paths), plan.previous))
+            return super().stage(plan, paths)
 
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     agents = {f"n{i}": Recording(f"n{i}", str(d)) for i, d in enumerate(nodes)}

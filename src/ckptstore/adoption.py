@@ -28,10 +28,10 @@ import hashlib
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import closing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,9 @@ from ckptstore.errors import (
     NotFoundError,
 )
 from ckptstore.info import CheckpointInfo
-from ckptstore.maintenance import Maintenance
-from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry, Manifest, tombstone_attempts
+from ckptstore.manifest import KIND_DIRECTORY, FileEntry, tombstone_attempts
 from ckptstore.payload import Progress
+from ckptstore.saving import Saver
 from ckptstore.transfer import ChunkReader, scan_dir
 
 log = logging.getLogger(__name__)
@@ -84,18 +84,10 @@ def adoptable_path(step: int, path: str) -> bool:
 class Adopter:
     """Commits foreign step directories of one store in place (the module docstring)."""
 
-    def __init__(
-        self,
-        maintenance: Maintenance,
-        environment: Callable[[], Environment],
-        clock: Callable[[], float],
-    ) -> None:
-        self.maintenance = maintenance
-        self.catalog = maintenance.catalog
-        self.committer = maintenance.committer
-        self.backend: Backend = maintenance.backend
-        self.environment = environment
-        self.clock = clock
+    def __init__(self, saver: Saver) -> None:
+        self.saver = saver
+        self.catalog = saver.catalog
+        self.backend: Backend = saver.catalog.backend
 
     def find(self, step: int | None) -> list[ForeignStep]:
         """The step directories to adopt: ``step``'s (raising if it cannot be adopted), or,
@@ -117,7 +109,7 @@ class Adopter:
         progress: Progress | None = None,
     ) -> list[CheckpointInfo]:
         """Commit ``find(step)`` in place, oldest first; returns the steps committed."""
-        self.maintenance.hold_lease()  # fail before reading a byte if another writer holds it
+        self.saver.hold_lease()  # fail before reading a byte if another writer holds it
         return [self.commit(found, metadata, progress) for found in self.find(step)]
 
     def plan(self, step: int) -> ForeignStep:
@@ -147,25 +139,14 @@ class Adopter:
         self, found: ForeignStep, metadata: Mapping[str, Any], progress: Progress | None
     ) -> CheckpointInfo:
         """Checksum ``found``'s files where they lie, then commit a manifest listing them."""
-        step = found.step
+        coordinator = self.saver.begin(
+            found.step, KIND_DIRECTORY, metadata=metadata, allow_older=True
+        )  # adopting older steps too: latest only moves forward
         entries = self._checksum(found, progress)
-        self.committer.confirm_payload(step, entries)  # none vanished or changed size since
-        epoch = self.maintenance.hold_lease()  # renewing is the fence check: right before
-        manifest = Manifest(
-            step=step,
-            created=self.clock(),
-            kind=KIND_DIRECTORY,
-            files=tuple(entries),
-            environment=replace(self.environment(), world_size=_world_size(entries)),
-            writer=self.committer.writer,
-            metadata=dict(metadata),
-            lease_epoch=epoch,
-        )
-        manifest = self.committer.commit(manifest)  # create-only: a rival commit is a conflict
-        self.committer.advance_latest(step, epoch=epoch)  # forward only
-        log.info("adopted %s in place: %d files, %d bytes", found.uri, len(entries), manifest.size)
-        self.maintenance.retain_after_save()
-        return self.catalog.info_of(manifest)
+        # the files are committed where they lie: no attempt of ours to discard on failure
+        info = coordinator.commit(entries, world_size=_world_size(entries))
+        log.info("adopted %s in place: %d files, %d bytes", found.uri, len(entries), info.size)
+        return info
 
     def _candidates(self) -> list[int]:
         """Uncommitted steps with adoptable files, from one listing of the whole store."""
@@ -211,7 +192,7 @@ class Adopter:
     def _checksum(self, found: ForeignStep, progress: Progress | None) -> list[FileEntry]:
         """Read each file once, in ranged chunks, into its manifest entry."""
         prefix = layout.step_dir(found.step) + "/"
-        digests = self.committer.digests
+        digests = self.saver.committer.digests
         stop = threading.Event()
 
         def one(obj: ObjectInfo) -> FileEntry:

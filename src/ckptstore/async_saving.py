@@ -1,5 +1,7 @@
-"""``save_async``: snapshot the state, then write it through the store's StepWriter in its
-one background worker (background.py).
+"""The save in flight: ``save_async`` snapshots the state, then writes it through the store's
+Saver in one background worker (background.py). This object owns everything about that save
+(the worker, the snapshot buffers, the update guard), and every other save of the store waits
+for it first (``Saver.drain``).
 
 The snapshot copies tensors into host buffers reused from save to save (snapshot.py). With
 ``overlap``, the copy of what only an update changes is deferred to the worker as well, and
@@ -13,21 +15,21 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ckptstore import layout
-from ckptstore.background import Abandon, SaveHandle
+from ckptstore.background import Abandon, BackgroundSaver, SaveHandle
+from ckptstore.coordination import check_not_behind
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, check_metadata
-from ckptstore.saving import StepWriter, step_of
+from ckptstore.saving import Saver
 
 if TYPE_CHECKING:
     from ckptstore.snapshot import Snapshotter, UpdateGuard
 
 
 class AsyncSaver:
-    """The snapshot buffers and update guard of one store's async saves."""
+    """One store's save in flight: its worker, snapshot buffers and update guard."""
 
-    def __init__(self, writer: StepWriter) -> None:
-        self.writer = writer
+    def __init__(self) -> None:
+        self.background: BackgroundSaver[CheckpointInfo] = BackgroundSaver()
         self.snapshotter: Snapshotter | None = None
         """Host buffers for snapshots, reused from save to save."""
         self.guard: UpdateGuard | None = None
@@ -35,8 +37,13 @@ class AsyncSaver:
         self.committed: int | None = None
         """The last step an async save of this store committed."""
 
+    def drain(self) -> None:
+        """Wait for the save in flight; raise its error if nobody heard of it."""
+        self.background.drain()
+
     def save_async(
         self,
+        writer: Saver,
         step: int,
         state: Any,
         metadata: Mapping[str, Any] | None,
@@ -51,12 +58,11 @@ class AsyncSaver:
         this store has committed a step and saves a later one, the call reads nothing (a GET
         less in the loop's time): a rival that moved ``latest`` past it meanwhile is then
         refused by the background save, before anything is uploaded, as a rerun is."""
-        writer = self.writer
-        step = layout.check_step(step)
         user_metadata = check_metadata(metadata)
-        writer.background.drain()
+        self.drain()
         if not allow_older and (self.committed is None or step <= self.committed):
-            writer.check_not_behind(step, step_of(writer.catalog.pointer_or_none()))
+            pointer = writer.catalog.pointer_or_none()
+            check_not_behind(writer, step, pointer.step if pointer is not None else None)
         started = time.perf_counter()
         from ckptstore.serialize import encode_state
         from ckptstore.snapshot import Snapshotter, UpdateGuard, deferral
@@ -76,7 +82,7 @@ class AsyncSaver:
             copy.run()
             info = writer.write(
                 step,
-                [replace(f, chunks=abandon.checked(f.chunks)) for f in encoded.files()],
+                lambda: [replace(f, chunks=abandon.checked(f.chunks)) for f in encoded.files()],
                 KIND_STATE,
                 user_metadata,
                 blocked=blocked + copy.waited_seconds,
@@ -87,7 +93,7 @@ class AsyncSaver:
             self.committed = step
             return info
 
-        return writer.background.submit(
+        return self.background.submit(
             step, work, blocked, uri=writer.uri, snapshot_done=guard.before_update
         )
 
@@ -99,7 +105,7 @@ class AsyncSaver:
     def close(self) -> None:
         """Finish the save in flight (raising its error); unhook the optimizers."""
         try:
-            self.writer.background.close()
+            self.background.close()
         finally:
             if self.guard is not None:
                 self.guard.close()

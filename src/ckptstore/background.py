@@ -128,6 +128,8 @@ class BackgroundSaver(Generic[T]):
         self._executor: ThreadPoolExecutor | None = None
         self._pending: SaveHandle[T] | None = None
         self._lock = threading.Lock()
+        self._worker: int | None = None
+        """The worker thread's id: the save it runs must not wait for itself."""
 
     def submit(
         self,
@@ -143,7 +145,7 @@ class BackgroundSaver(Generic[T]):
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
-                    1, thread_name_prefix="ckpt-save", initializer=yield_to_training
+                    1, thread_name_prefix="ckpt-save", initializer=self._start_worker
                 )
                 # Runs before concurrent.futures refuses new work at shutdown (it registers the
                 # same way, earlier, and these run last-registered first), so a save queued when
@@ -156,10 +158,15 @@ class BackgroundSaver(Generic[T]):
             self._pending = SaveHandle(step, future, blocked_seconds, abandon, snapshot_done)
             return self._pending
 
+    def _start_worker(self) -> None:
+        self._worker = threading.get_ident()
+        yield_to_training()
+
     def drain(self) -> None:
-        """Wait for the save in flight; raise its error if nobody has heard of it yet."""
+        """Wait for the save in flight; raise its error if nobody has heard of it yet. In the
+        worker itself (the save in flight waits for any other first), nothing to wait for."""
         pending = self._pending
-        if pending is None:
+        if pending is None or threading.get_ident() == self._worker:
             return
         try:
             _wait(pending._future)

@@ -1,6 +1,7 @@
-"""The read side of a store: the pointer, the step listing, manifests, and which step is latest.
+"""The read side of a store: the pointer, the step listing, manifests and payload bytes.
 
-Manifests are the truth and ``latest`` is a fast path (commit.py). Everything here only reads,
+Manifests are the truth and ``latest`` is a fast path (commit.py); which step a load starts
+from is resolver.py's. Everything here only reads,
 and everything it returns has been checked: manifests strictly decoded (and their signature
 checked, in a signed store), payload bytes against their entries (verified.py).
 
@@ -14,11 +15,11 @@ from a listing or this process removes the step. Reads that act on one step (``i
 from __future__ import annotations
 
 import builtins
-import itertools
+import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -28,11 +29,10 @@ from ckptstore.errors import (
     CheckpointError,
     CompatibilityError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
     NotFoundError,
 )
 from ckptstore.info import CheckpointInfo, SaveStats
-from ckptstore.manifest import FileEntry, Manifest
+from ckptstore.manifest import FileEntry, Manifest, is_tombstone
 from ckptstore.pointer import Pointer
 from ckptstore.signing import Signer
 from ckptstore.verified import payload_sizes, read_verified
@@ -46,6 +46,23 @@ reader see a PUT in progress."""
 SCAN_THREADS = 16
 """Manifests fetched at once by a listing: each is one small GET, so latency, not bandwidth,
 bounds them."""
+
+
+class StepState(enum.Enum):
+    """What a step's manifest key holds, as far as this reader can tell."""
+
+    ABSENT = "absent"
+    """No manifest (nothing saved, or a save in flight)."""
+    REMOVING = "removing"
+    """A tombstone: the step's files are being removed (removal.py)."""
+    COMMITTED = "committed"
+    UNREADABLE = "unreadable"
+    """A manifest this reader cannot use: corrupt, signed with another key, newer schema."""
+
+    @property
+    def committed(self) -> bool:
+        """A manifest stands there, readable by this reader or not."""
+        return self in (StepState.COMMITTED, StepState.UNREADABLE)
 
 
 class Catalog:
@@ -72,17 +89,23 @@ class Catalog:
     def read_manifest(self, step: int) -> Manifest:
         """The step's manifest, fetched now; NotFoundError if the step is not committed."""
         path = layout.manifest_path(step)
-        where = self.uri(path)
         try:
             data = self.backend.read(path)
         except NotFoundError as e:
             self.forget(step)
             raise NotFoundError(
                 f"step {step} is not committed in {self.backend.uri} (no {path})",
-                uri=where,
+                uri=self.uri(path),
                 step=step,
                 path=path,
             ) from e
+        return self._decode(step, data)
+
+    def _decode(self, step: int, data: bytes) -> Manifest:
+        """Decode, check the signature and the step, remember; NotFoundError for a tombstone."""
+        where = self.uri(layout.manifest_path(step))
+        if is_tombstone(data):
+            self.forget(step)
         manifest = Manifest.decode(data, where=where)
         if self.signer is not None:
             self.signer.check(manifest, where)
@@ -91,7 +114,7 @@ class Catalog:
                 f"{where}: manifest says step {manifest.step}, expected {step}",
                 uri=where,
                 step=step,
-                path=path,
+                path=layout.manifest_path(step),
             )
         self.remember(manifest)
         return manifest
@@ -114,17 +137,32 @@ class Catalog:
         with self._lock:
             self._manifests.clear()
 
-    def is_committed(self, step: int, *, fresh: bool = False) -> bool:
-        """Whether the step has a readable manifest (from memory when known, unless
-        ``fresh``)."""
+    def state_of(self, step: int, *, fresh: bool = False) -> StepState:
+        """Whether the step is committed, and readable (from memory when known, unless
+        ``fresh``). Callers decide what an unreadable manifest means for them: a pointer is
+        never moved back past one, retention never deletes one, a save is not refused
+        because of one."""
+        with self._lock:
+            if not fresh and step in self._manifests:
+                return StepState.COMMITTED
         try:
-            self.read_manifest(step) if fresh else self.manifest(step)
+            data = self.backend.read(layout.manifest_path(step))
         except NotFoundError:
-            return False
+            self.forget(step)
+            return StepState.ABSENT
+        if is_tombstone(data):
+            self.forget(step)
+            return StepState.REMOVING
+        try:
+            self._decode(step, data)
         except (CorruptCheckpointError, CompatibilityError) as e:
             log.warning("step %d has an unreadable manifest: %s", step, e)
-            return False
-        return True
+            return StepState.UNREADABLE
+        return StepState.COMMITTED
+
+    def is_committed(self, step: int, *, fresh: bool = False) -> bool:
+        """Whether the step has a readable manifest (:meth:`state_of`)."""
+        return self.state_of(step, fresh=fresh) is StepState.COMMITTED
 
     def info(self, step: int) -> CheckpointInfo:
         """The committed step's info, its manifest fetched now; NotFoundError if uncommitted."""
@@ -211,123 +249,6 @@ class Catalog:
             return self.read_pointer()[0]
         except CorruptCheckpointError:
             return None
-
-    def latest(self) -> CheckpointInfo | None:
-        """The newest committed step: the pointer's, unless one listing of step directories
-        finds a newer committed step (the pointer is stale) or the pointer is broken (then by
-        listing every step). ``None`` only when the store holds no committed step.
-        """
-        pointer = None
-        try:
-            pointer, _ = self.read_pointer()
-            if pointer is not None and pointer.step is not None:
-                newer = self._committed_after(pointer)
-                return newer or self.info(pointer.step)
-        except (NotFoundError, CorruptCheckpointError) as e:
-            log.warning(
-                "%s: latest pointer is unusable (%s); falling back to listing", self.uri(""), e
-            )
-        infos = [i for i in self.list() if not fenced(pointer, i)]
-        if infos and pointer is None:
-            log.warning(
-                "%s: no %s, but committed steps exist; using the newest, %d",
-                self.uri(""),
-                layout.LATEST_NAME,
-                infos[-1].step,
-            )
-        return infos[-1] if infos else None
-
-    def _committed_after(self, pointer: Pointer) -> CheckpointInfo | None:
-        """The newest committed step past a stale pointer's, if any (one listing).
-
-        A writer killed between its commit and moving ``latest`` leaves one; resuming from the
-        pointer would then save that step again and fail. Manifests are the truth, except a
-        step that a writer committed after it lost the lease (pointer.py): never latest.
-        """
-        step = pointer.step if pointer.step is not None else -1
-        for newer in reversed([s for s in self.step_dirs() if s > step]):
-            try:
-                info = self.info(newer)
-            except NotFoundError:
-                continue  # a save in flight, or garbage for gc
-            except (CorruptCheckpointError, CompatibilityError) as e:
-                log.warning("step %d has an unreadable manifest: %s", newer, e)
-                continue
-            if fenced(pointer, info):
-                log.warning(
-                    "%s: step %d was committed by %s after it lost the writer lease (epoch "
-                    "%d); ignoring it (ckptstore rm removes it)",
-                    self.uri(""),
-                    newer,
-                    info.manifest.writer,
-                    info.manifest.lease_epoch,
-                )
-                continue
-            log.warning(
-                "%s: %s is at step %d, but step %d is committed (its writer stopped before "
-                "moving the pointer); using %d",
-                self.uri(""),
-                layout.LATEST_NAME,
-                step,
-                newer,
-                newer,
-            )
-            return info
-        return None
-
-    def resolve(
-        self, step: int | None, fallback: bool, action: Callable[[CheckpointInfo], T]
-    ) -> tuple[CheckpointInfo, T]:
-        """Run ``action`` on ``step``, or on latest, falling back to older good steps."""
-        if step is not None:
-            info = self.info(step)
-            return info, action(info)
-        latest = self.latest()
-        if latest is None:
-            raise NotFoundError(
-                f"{self.uri('')} holds no committed step: nothing to resume from. Check the "
-                "URI (and endpoint), or save a step first",
-                uri=self.uri(""),
-            )
-        candidates = itertools.chain([latest], self._older(latest) if fallback else [])
-        failures: builtins.list[str] = []
-        for info in candidates:
-            try:
-                return info, action(info)
-            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
-                if not fallback:
-                    raise
-                log.warning("step %d failed verification (%s); trying an older step", info.step, e)
-                failures.append(f"step {info.step}: {e}")
-        raise CorruptCheckpointError(
-            f"{self.uri('')}: no committed step passed verification:\n  " + "\n  ".join(failures),
-            uri=self.uri(""),
-        )
-
-    def _older(self, latest: CheckpointInfo) -> Iterator[CheckpointInfo]:
-        """Committed steps before ``latest``, newest first, read only once needed."""
-        pointer = self.pointer_or_none()
-        for info in reversed(self.list()):
-            if info.step < latest.step and not fenced(pointer, info):
-                yield info
-
-    def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
-        """Committed steps (of ``infos``, default all) that a writer committed after it lost
-        the writer lease: never returned by ``latest()``/``load()``; ``delete`` removes them."""
-        pointer = self.pointer_or_none()
-        return [i.step for i in (self.list() if infos is None else infos) if fenced(pointer, i)]
-
-    def previous_manifest(self, kind: str) -> Manifest | None:
-        """The latest step's manifest, whose unchanged files a save copies, if of ``kind``."""
-        try:
-            pointer, _ = self.read_pointer()
-            if pointer is None or pointer.step is None:
-                return None
-            manifest = self.read_manifest(pointer.step)  # fresh: its files will be copied
-        except (NotFoundError, CorruptCheckpointError, CompatibilityError) as e:
-            log.debug("no previous step to reuse files from: %s", e)
-            return None
-        return manifest if manifest.kind == kind else None
 
     # -- payload -------------------------------------------------------------------------
 

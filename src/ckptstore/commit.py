@@ -32,7 +32,6 @@ from ckptstore.cas import swap_loop
 from ckptstore.catalog import Catalog
 from ckptstore.checksum import Crc32c
 from ckptstore.errors import (
-    CheckpointError,
     ConfigError,
     ConflictError,
     CorruptCheckpointError,
@@ -50,7 +49,6 @@ from ckptstore.manifest import (
 from ckptstore.payload import Progress, SourceFile
 from ckptstore.pointer import Pointer
 from ckptstore.removal import Remover
-from ckptstore.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -84,39 +82,26 @@ class Previous:
         return Previous(self.step, tuple(f for f in self.files if f.path in wanted))
 
 
-def parallel_writes(backend: Backend) -> int:
-    """How many files to write at once. Asked without the capability probe where the backend
-    can say so (S3's ``parallel_writes``): a rank that only stages payload never writes
-    conditionally, so it must not pay the probe's writes; the committer probes on its first
-    create."""
-    hint = getattr(backend, "parallel_writes", None)
-    if isinstance(hint, int) and not isinstance(hint, bool) and hint >= 1:
-        return hint
-    return backend.capabilities.parallel_writes
-
-
 class Committer:
     """Writes steps into one backend following the protocol above."""
 
     def __init__(
         self,
-        backend: Backend,
+        catalog: Catalog,
+        remover: Remover,
         *,
         writer: str,
         clock: Callable[[], float] = time.time,
-        signer: Signer | None = None,
-        catalog: Catalog | None = None,
-        remover: Remover | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.backend = backend
-        self.signer = signer
+        self.catalog = catalog
+        self.backend: Backend = catalog.backend
+        self.signer = catalog.signer
+        self.remover = remover
         self.writer = writer
         self.clock = clock
         self.sleep = sleep
-        self.catalog = catalog if catalog is not None else Catalog(backend, signer=signer)
-        self.remover = remover or Remover(backend, writer=writer, catalog=self.catalog, clock=clock)
-        self.digests = signer is not None
+        self.digests = self.signer is not None
         """Record a SHA-256 of every file: signed manifests must cover the bytes themselves."""
 
     # -- writing -------------------------------------------------------------------------
@@ -165,7 +150,7 @@ class Committer:
             digest = sha.hexdigest() if sha is not None else None
             return FileEntry(source.path, size, crc.hexdigest(), None, attempt, digest)
 
-        workers = max(1, min(parallel_writes(self.backend), len(sources)))
+        workers = max(1, min(self.backend.parallel_writes, len(sources)))
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-write") as pool:
                 return list(pool.map(write_one, sources))
@@ -200,7 +185,7 @@ class Committer:
             if progress:
                 progress(entry.size)
 
-        workers = max(1, min(parallel_writes(self.backend), len(entries)))
+        workers = max(1, min(self.backend.parallel_writes, len(entries)))
         with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-copy") as pool:
             list(pool.map(write_one, entries))
 
@@ -303,8 +288,9 @@ class Committer:
                 )
             ahead = current is not None and current.step is not None and current.step >= step
             if ahead and not rollback and current is not None and current.step is not None:
-                if current.step == step or self._committed(current.step):
-                    return None
+                held = self.catalog.state_of(current.step, fresh=True)
+                if current.step == step or held.committed:
+                    return None  # never back past a committed step, readable or not
                 log.warning(
                     "%s pointed at step %d, which is not committed (deleted behind its back?); "
                     "repairing it: moving it to step %d",
@@ -350,7 +336,7 @@ class Committer:
 
     def _newest_committed(self) -> int | None:
         for step in reversed(self.catalog.step_dirs()):
-            if self.catalog.is_committed(step, fresh=True):
+            if self.catalog.state_of(step, fresh=True).committed:
                 return step
         return None
 
@@ -362,15 +348,6 @@ class Committer:
         except CorruptCheckpointError as e:
             log.warning("%s; replacing it, %s", e, doing)
             return None
-
-    def _committed(self, step: int) -> bool:
-        try:
-            self.catalog.read_manifest(step)
-        except NotFoundError:
-            return False
-        except CheckpointError:
-            return True  # unreadable, but there: not ours to judge here
-        return True
 
 
 def _hashed(chunks: Iterable[Chunk], crc: Crc32c, sha: hashlib._Hash | None) -> Iterator[Chunk]:

@@ -1,20 +1,23 @@
 """Multi-rank save and load over a torch.distributed process group.
 
-Every rank encodes its own state and uploads it, in parallel with the others, under
-``rank_<r>/`` in the step directory (``store.stage_files``). Only rank 0 commits, and only after
-every rank reported success, so the step's single manifest lists every rank's files with their
-checksums and is the commit marker for all of them: a reader never sees a step that some rank
-did not finish. If any rank fails, rank 0 discards what the others staged (uploads are whole
-objects or aborted, so nothing half-written remains) and every rank raises the same error.
+The save is the coordinated save (coordination.py) with rank 0 as coordinator: rank 0 begins
+it and scatters each rank its plan, every rank encodes its own state and uploads it, in
+parallel with the others, under ``rank_<r>/`` in the step directory, and rank 0 commits only
+after every rank reported success, so the step's single manifest lists every rank's files with
+their checksums and is the commit marker for all of them: a reader never sees a step that some
+rank did not finish. If any rank fails, rank 0 discards what the others staged (uploads are
+whole objects or aborted, so nothing half-written remains) and every rank raises the same error.
 
 Every rank reaches every collective whatever happened locally: failures travel as text (or as
 ckptstore errors, which pickle) instead of skipping a collective, which would hang the job. A
 rank that dies outright still hangs the others until the process group's timeout. Object
 collectives over NCCL run on the current CUDA device: set it (``torch.cuda.set_device``) first.
 
-Rank 0 also reads ``latest`` and the previous step's manifest, once, and scatters to each rank
-only the entries under its own folder (the files it may copy instead of uploading): a rank reads
-neither, so its cost does not grow with the number of ranks (README "Scale").
+Rank 0 reads ``latest`` and the previous step's manifest once, and each rank's plan holds only
+the entries under its own folder (the files it may copy instead of uploading): a rank reads
+neither, so its cost does not grow with the number of ranks (README "Scale"). A load is chosen
+by the store's resolver on rank 0 (resolver.py), so fenced steps, fallbacks and refusals follow
+the same rules as ``store.load``.
 
 Only rank 0 takes the writer lease (lease.py). Open the store with ``lease=False`` on the other
 ranks to say so; a default store is safe too, since staging never takes the lease.
@@ -27,32 +30,29 @@ To load with another world size, save through ``torch.distributed.checkpoint`` w
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
 from ckptstore import layout
 from ckptstore.backends.base import error_context
-from ckptstore.commit import Previous
 from ckptstore.compat import check_compat
+from ckptstore.coordination import Coordinator, Plan, Staged, describe
 from ckptstore.environment import current_environment
 from ckptstore.errors import (
     CheckpointError,
     ConfigError,
-    ConflictError,
     CorruptCheckpointError,
     DistributedCheckpointError,
     ErrorContext,
     IncompleteCheckpointError,
-    NotFoundError,
 )
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry
 from ckptstore.payload import SourceFile
+from ckptstore.resolver import VERIFY_ERRORS, Search
 from ckptstore.serialize import SKELETON_FILE, decode_state, encode_state
 
 if TYPE_CHECKING:
@@ -60,8 +60,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_NOT_SAVED = "was not saved (nothing committed, staged files discarded)"
-_COMMITTED = "is committed, but rank 0 failed after committing it"
 
 
 def rank_dir(rank: int) -> str:
@@ -120,11 +118,6 @@ class Collectives:
         return out
 
 
-def describe(error: BaseException) -> str:
-    """An error as one line of text, to send to the other ranks."""
-    return f"{type(error).__name__}: {error}"
-
-
 # -- saving ---------------------------------------------------------------------------------
 
 
@@ -146,12 +139,15 @@ def save_distributed(
     """
     step = layout.check_step(step)
     comm = Collectives(group)
-    started = time.perf_counter()
-    # 1. Rank 0 takes the writer lease, checks the step is new before anyone uploads, and
-    # hands each rank its files of the previous step.
-    plans: list[Previous | CheckpointError] | None = None
+    # 1. Rank 0 begins the coordinated save and hands each rank its plan.
+    coordinator: Coordinator | None = None
+    plans: list[Plan | CheckpointError] | None = None
     if comm.rank == 0:
-        plans = _plans(store, step, comm.size)
+        try:
+            coordinator = store.begin_save(step, kind=KIND_STATE, metadata=metadata)
+            plans = [*coordinator.plan.split([rank_dir(r) for r in range(comm.size)])]
+        except Exception as e:
+            plans = [_as_checkpoint_error(e) for _ in range(comm.size)]
     plan = comm.scatter(plans)
     if isinstance(plan, CheckpointError):
         raise DistributedCheckpointError(
@@ -161,26 +157,24 @@ def save_distributed(
         ) from plan
     # 2. Every rank stages its own files; the entries (or the error) go to rank 0.
     local_error: Exception | None = None
-    report: list[FileEntry] | str
     try:
-        report = _stage(store, step, state, comm.rank, allow_pickle, plan)
+        report = Staged(comm.rank, tuple(_stage(store, plan, state, comm.rank, allow_pickle)))
     except Exception as e:
-        log.exception("rank %d could not stage step %d", comm.rank, step)
-        local_error, report = e, describe(e)
+        local_error, report = e, Staged.failure(comm.rank, e)
     reports = comm.gather(report)
     # 3. Rank 0 commits, or discards; everyone learns which.
-    outcome: CheckpointInfo | _Failed | None = None
-    if reports is not None:
-        outcome = _conclude(store, step, reports, comm.size, metadata, started)
+    outcome: CheckpointInfo | CheckpointError | None = None
+    if coordinator is not None and reports is not None:
+        try:
+            outcome = coordinator.conclude(reports, world_size=comm.size, coordinator=0)
+        except CheckpointError as e:
+            outcome = e
     outcome = comm.broadcast(outcome)
     if isinstance(outcome, CheckpointInfo):
         return outcome
-    failed = outcome if outcome is not None else _Failed({}, "failed")  # rank 0 always sends
-    listed = "; ".join(f"rank {r}: {text}" for r, text in sorted(failed.failures.items()))
-    error = DistributedCheckpointError(
-        f"step {step} {failed.state}: {listed}", failed.failures, **_step_context(store.uri, step)
-    )
-    raise error from local_error
+    if outcome is None:  # unreachable: rank 0 always sends one
+        outcome = CheckpointError(f"step {step}: rank 0 sent no outcome")
+    raise outcome from local_error
 
 
 def _step_context(store_uri: str, step: int) -> ErrorContext:
@@ -193,104 +187,18 @@ def _info_context(info: CheckpointInfo) -> ErrorContext:
     return {"uri": info.uri, "step": info.step, "path": layout.step_dir(info.step)}
 
 
-@dataclass(frozen=True)
-class _Failed:
-    """Rank 0's word on a failed save: who failed, and what became of the step."""
-
-    failures: dict[int, str]
-    state: str
-    """How the message describes the step: not saved, or committed after all."""
-
-
-def _attempt(action: Callable[[], None]) -> CheckpointError | None:
-    try:
-        action()
-    except CheckpointError as e:
-        return e
-    except Exception as e:
-        return CheckpointError(describe(e))
-    return None
-
-
-def _plans(store: CheckpointStore, step: int, size: int) -> list[Previous | CheckpointError]:
-    """Rank 0: each rank's :class:`Previous` (the refusal, for every rank, on failure)."""
-    previous: list[Previous] = []
-
-    def prepare() -> None:
-        _prepare(store, step)
-        previous.extend(split_by_rank(store.previous(KIND_STATE), size))
-
-    refusal = _attempt(prepare)
-    return [refusal] * size if refusal is not None else list(previous)
-
-
-def split_by_rank(previous: Previous, size: int) -> list[Previous]:
-    """``previous`` cut into each rank's files (under its :func:`rank_dir`), in one pass."""
-    folders = {rank_dir(r): r for r in range(size)}
-    files: list[list[FileEntry]] = [[] for _ in range(size)]
-    for entry in previous.files:
-        rank = folders.get(entry.path.split("/", 1)[0])
-        if rank is not None:
-            files[rank].append(entry)
-    return [Previous(previous.step, tuple(f)) for f in files]
-
-
-def _prepare(store: CheckpointStore, step: int) -> None:
-    store.wait()
-    store.hold_lease()
-    if store.backend.stat(layout.manifest_path(step)) is not None:
-        raise ConflictError(
-            f"step {step} is already committed in {store.uri}; committed steps are immutable. "
-            "Save under a new step, or `ckptstore rm` it first",
-            **error_context(store.uri, layout.manifest_path(step)),
-        ).add_context(step=step)
+def _as_checkpoint_error(error: Exception) -> CheckpointError:
+    """An error to send to the other ranks: ckptstore's pickle; others travel as text."""
+    return error if isinstance(error, CheckpointError) else CheckpointError(describe(error))
 
 
 def _stage(
-    store: CheckpointStore,
-    step: int,
-    state: Any,
-    rank: int,
-    allow_pickle: bool,
-    previous: Previous,
+    store: CheckpointStore, plan: Plan, state: Any, rank: int, allow_pickle: bool
 ) -> list[FileEntry]:
     encoded = encode_state(state, shard_size=store.shard_size, allow_pickle=allow_pickle)
     folder = rank_dir(rank)
     files = [SourceFile(f"{folder}/{f.path}", f.chunks, f.size) for f in encoded.files()]
-    return store.stage_files(step, files, kind=KIND_STATE, previous=previous)
-
-
-def _conclude(
-    store: CheckpointStore,
-    step: int,
-    reports: list[list[FileEntry] | str],
-    world_size: int,
-    metadata: Mapping[str, Any] | None,
-    started: float,
-) -> CheckpointInfo | _Failed:
-    """Rank 0: commit if every rank staged its files, else discard the step."""
-    failures = {rank: r for rank, r in enumerate(reports) if isinstance(r, str)}
-    if failures:
-        store.discard(step)
-        return _Failed(failures, _NOT_SAVED)
-    entries = [entry for r in reports if not isinstance(r, str) for entry in r]
-    try:
-        return store.commit_files(
-            step,
-            entries,
-            kind=KIND_STATE,
-            metadata=metadata,
-            world_size=world_size,
-            started=started,
-        )
-    except Exception as e:  # before the manifest, commit_files has discarded the step
-        log.exception("rank 0 could not commit step %d", step)
-        try:
-            committed = store.backend.stat(layout.manifest_path(step)) is not None
-            state = _COMMITTED if committed else _NOT_SAVED
-        except CheckpointError:
-            state = "failed on rank 0 and may be committed (see `ckptstore ls`)"
-        return _Failed({0: describe(e)}, state)
+    return store.stage_files(plan.step, files, plan=plan)
 
 
 # -- loading --------------------------------------------------------------------------------
@@ -307,33 +215,27 @@ def load_distributed(
     """This rank's state of ``step`` (default: latest), every byte verified; call it on every
     rank of ``group``. The step must have been saved by as many ranks as ``group`` has.
 
-    Rank 0 picks the step and every rank loads it. With no ``step`` and ``fallback``, a step
-    that fails verification on any rank is skipped, on every rank, for the newest older one
-    (as ``store.load`` does). ``store.last_loaded`` tells which step was loaded.
+    Rank 0 asks the store's resolver (resolver.py: latest, fenced steps, refusals) and every
+    rank loads the step it offers. With no ``step`` and ``fallback``, a step that fails
+    verification on any rank is skipped, on every rank, for the newest older one (as
+    ``store.load`` does). ``store.last_loaded`` tells which step was loaded.
     """
     comm = Collectives(group)
-    offers = _Offers(store, step, fallback, comm.size) if comm.rank == 0 else None
-    failures: list[str] = []
+    search = store.resolver.search(step, fallback=fallback) if comm.rank == 0 else None
     while True:
         offer: CheckpointInfo | CheckpointError | None = None
-        if offers is not None:
-            offer = offers.next()
+        if search is not None:
+            offer = _offer(store, search, comm.size)
         offer = comm.broadcast(offer)
-        if offer is None:
-            raise CorruptCheckpointError(
-                f"{store.uri}: no committed step passed verification on every rank:\n  "
-                + "\n  ".join(failures),
-                uri=store.uri,
-            )
-        if isinstance(offer, CheckpointError):
-            raise offer
+        if not isinstance(offer, CheckpointInfo):
+            raise offer if offer is not None else CheckpointError("rank 0 offered no step")
         check_layout(offer, comm.size)
         state: Any = None
         local_error: Exception | None = None
         status: tuple[str, str] | None = None
         try:
             state = _read_rank(store, offer, comm.rank, allow_pickle)
-        except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+        except VERIFY_ERRORS as e:
             local_error, status = e, ("corrupt", describe(e))
         except Exception as e:
             local_error, status = e, ("error", describe(e))
@@ -349,56 +251,23 @@ def load_distributed(
                 {r: text for r, (_, text) in bad.items()},
                 **_info_context(offer),
             ) from local_error
-        if step is not None or not fallback:
-            raise CorruptCheckpointError(
-                f"{offer.uri}: {listed}", **_info_context(offer)
-            ) from local_error
-        if comm.rank == 0:
-            log.warning(
-                "step %d failed verification (%s); trying an older step", offer.step, listed
-            )
-        failures.append(f"step {offer.step}: {listed}")
+        if search is not None:
+            search.failed(offer, CorruptCheckpointError(listed, **_info_context(offer)))
 
 
-class _Offers:
-    """Rank 0's candidates: ``step``, or latest then (with ``fallback``) older steps."""
-
-    def __init__(
-        self, store: CheckpointStore, step: int | None, fallback: bool, world_size: int
-    ) -> None:
-        self.store = store
-        self.world_size = world_size
-        self._candidates = self._generate(step, fallback)
-
-    def _generate(self, step: int | None, fallback: bool) -> Iterator[CheckpointInfo]:
-        if step is not None:
-            yield self.store.info(step)
-            return
-        latest = self.store.latest()
-        if latest is None:
-            raise NotFoundError(
-                f"{self.store.uri} holds no committed step: nothing to resume from. Check the "
-                "URI (and endpoint), or save a step first",
-                uri=self.store.uri,
-            )
-        yield latest
-        if fallback:
-            yield from (i for i in reversed(self.store.list()) if i.step < latest.step)
-
-    def next(self) -> CheckpointInfo | CheckpointError | None:
-        """The next step to try, the error that ends the search, or None when none is left."""
-        try:
-            info = next(self._candidates, None)
-            if info is not None:
-                environment = current_environment(world_size=self.world_size)
-                check_compat(
-                    info.manifest.environment, environment, mode=self.store.compat, where=info.uri
-                )
-            return info
-        except CheckpointError as e:
-            return e
-        except Exception as e:
-            return CheckpointError(describe(e))
+def _offer(
+    store: CheckpointStore, search: Search, world_size: int
+) -> CheckpointInfo | CheckpointError:
+    """Rank 0: the next step to try, or the error that ends the search."""
+    try:
+        info = search.next()
+        if info is None:
+            return search.exhausted()
+        environment = current_environment(world_size=world_size)
+        check_compat(info.manifest.environment, environment, mode=store.compat, where=info.uri)
+        return info
+    except Exception as e:
+        return _as_checkpoint_error(e)
 
 
 def check_layout(info: CheckpointInfo, world_size: int) -> None:

@@ -177,19 +177,20 @@ class BackendError(CheckpointError):
 
 
 class DistributedCheckpointError(CheckpointError):
-    """A multi-rank save or load failed; ``failures`` maps each failing rank to its error."""
+    """A multi-rank save or load failed; ``failures`` maps each failing rank (or node, or
+    ``"coordinator"``) to its error."""
 
     def __init__(
         self,
         message: str,
-        failures: Mapping[int, str] | None = None,
+        failures: Mapping[int | str, str] | None = None,
         *,
         uri: str | None = None,
         step: int | None = None,
         path: str | None = None,
     ) -> None:
         super().__init__(message, uri=uri, step=step, path=path)
-        self.failures: dict[int, str] = dict(failures or {})
+        self.failures: dict[int | str, str] = dict(failures or {})
 
 
 class AccessDeniedError(BackendError):

@@ -1,11 +1,19 @@
-"""Garbage collection: removing what failed saves left, and proving it dead first.
+"""Garbage collection: removing what failed saves and interrupted removals left, and proving
+it dead first.
 
 Never a manifest, never a file a manifest lists, never anything ckptstore did not write (files
-outside attempt directories are reported as foreign). An uncommitted step's attempts are
-removed only when every one of them looks dead: nothing in them is younger than ``older_than``
-seconds and none was started under the writer lease that is held now; and then under a
-tombstone (removal.py), so a commit cannot land while its files go. Attempts that lost the race
-for a committed step are dead whatever their age.
+outside attempt directories are reported as foreign). An uncommitted attempt is removed once
+it is proven dead: by the writer lease (its marker's epoch is older than the lease's, or the
+lease of its epoch was released or its holder is gone; epoch 0, a writer without a lease,
+proves nothing), or by age (nothing in it younger than ``older_than`` seconds, and not
+started under the lease held now). Its files go under a tombstone (removal.py), so a commit
+cannot land while they go. The tombstone keeps a late commit of those attempts out: it goes
+at once when the lease proved them dead, else once no writer holds the lease, and in a store
+without leases only after a day. Attempts that lost the race for a committed step are dead
+whatever their age, and an uncommit that died half-way (its tombstone stands) is finished.
+What is left alone is reported with the reason (``GcReport.kept`` and ``why``): after
+``gc(older_than=0)`` with no live writer, a store that uses the lease holds committed steps
+and nothing else.
 
 A prefix that holds no store at all (no ``latest.json``, nothing under ``.ckptstore/``, no
 step with a manifest or a save attempt) is refused before anything is listed for deletion:
@@ -47,7 +55,12 @@ from ckptstore.errors import (
 )
 from ckptstore.info import GcReport
 from ckptstore.lease_record import Process, read_lease
-from ckptstore.manifest import Manifest, encode_tombstone, tombstone_attempts
+from ckptstore.manifest import (
+    Manifest,
+    encode_tombstone,
+    tombstone_attempts,
+    tombstone_of_commit,
+)
 from ckptstore.removal import Remover, delete_attempt_files
 
 log = logging.getLogger(__name__)
@@ -66,7 +79,8 @@ committer stalled for that long between staging and committing is taken for dead
 class _Findings:
     deleted: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    """What was left alone although uncommitted, and why."""
     committed: set[int] = field(default_factory=set)
 
 
@@ -87,9 +101,16 @@ class GarbageCollector:
         self.remover = remover
         self.dry_run = dry_run
         now = clock()
+        self.older_than = older_than
         self.cutoff = now - older_than
-        self.tombstone_cutoff = now - max(older_than, TOMBSTONE_GRACE_SECONDS)
-        self.live_epoch = held_lease_epoch(self.backend)
+        self.lease = LeaseView.read(self.backend)
+        # A tombstone keeps a late commit of the attempts it names out. It goes once the lease
+        # proves their writers dead; a tombstone whose writers nothing can prove dead (a
+        # store without leases) waits a day, whatever older_than says.
+        self.tombstone_grace = max(older_than, TOMBSTONE_GRACE_SECONDS)
+        if self.lease.epoch is not None and self.lease.live is None:
+            self.tombstone_grace = older_than  # a store with leases and no live writer
+        self.tombstone_cutoff = now - self.tombstone_grace
 
     def run(self) -> GcReport:
         listing = _StoreListing.scan(self.backend)
@@ -114,6 +135,7 @@ class GarbageCollector:
             tuple(p.path for p in partial),
             foreign=tuple(found.foreign),
             kept=tuple(found.kept),
+            why=dict(found.kept),
         )
 
     def _check_is_store(self, listing: _StoreListing) -> None:
@@ -165,26 +187,71 @@ class GarbageCollector:
         tombstone: ObjectInfo | None,
         found: _Findings,
     ) -> None:
-        removed = self._removed_attempts(step) if tombstone is not None else frozenset()
-        alive = [
-            a
-            for a, files in attempts.items()
-            if a not in removed  # chosen by a remover that died half-way: finish its work
-            and (
-                any(not _old(o.mtime, self.cutoff) for o in files)
-                or (self.live_epoch and self._marker_epoch(step, a) == self.live_epoch)
-            )
-        ]
-        if alive:
-            found.kept += [layout.attempt_dir(step, a) for a in attempts]
-        elif attempts and self.dry_run:
-            found.deleted += [o.path for files in attempts.values() for o in files]
-        elif attempts:
-            found.deleted += self.remover.abort_step(step, set(attempts)) or []
+        removed: frozenset[str] = frozenset()
+        if tombstone is not None:
+            data = self._read_key(step)
+            if data is not None and tombstone_of_commit(data):  # an uncommit died half-way
+                named = tombstone_attempts(data) or frozenset()
+                if self.dry_run:
+                    found.deleted += [o.path for a in named for o in attempts.get(a, [])]
+                    found.deleted.append(layout.manifest_path(step))
+                else:
+                    found.deleted += self.remover.roll_forward(step) or []
+                attempts = {a: files for a, files in attempts.items() if a not in named}
+                tombstone = None
+            elif data is not None:
+                removed = tombstone_attempts(data) or frozenset()
+        verdicts = {a: self._judge(step, a, files) for a, files in attempts.items()}
+        for attempt, (reason, _) in verdicts.items():
+            if reason is not None and attempt not in removed:
+                found.kept[layout.attempt_dir(step, attempt)] = reason
+        # named by a tombstone: chosen by a remover that died half-way, so finish its work
+        dead = {a for a, (reason, _) in verdicts.items() if reason is None or a in removed}
+        if dead and self.dry_run:
+            found.deleted += [o.path for a in dead for o in attempts[a]]
+        elif dead:
+            proven = all(verdicts[a][1] for a in dead)  # else a late committer may be alive
+            found.deleted += self.remover.abort_step(step, dead, keep_tombstone=not proven) or []
         elif tombstone is not None and _old(tombstone.mtime, self.tombstone_cutoff):
             if not self.dry_run:
                 self.remover.drop_tombstone(step)
             found.deleted.append(layout.manifest_path(step))
+        elif tombstone is not None:
+            found.kept[layout.manifest_path(step)] = (
+                "a tombstone that keeps a late commit of removed files out; it goes once no "
+                "writer holds the lease, or after "
+                f"{TOMBSTONE_GRACE_SECONDS / 3600:g} h in a store without leases"
+            )
+
+    def _judge(self, step: int, attempt: str, files: list[ObjectInfo]) -> tuple[str | None, bool]:
+        """Why an uncommitted attempt may still be live (None: dead), and whether the writer
+        lease proves it dead: its epoch is older than the lease's, or the lease of its epoch
+        was released or its holder's process is gone (epoch 0, a writer without a lease,
+        proves nothing). Otherwise it is dead once nothing in it is younger than the grace."""
+        lease = self.lease
+        epoch = self._marker_epoch(step, attempt) if lease.epoch is not None else None
+        if lease.epoch is not None and epoch is not None and epoch > 0:
+            if epoch < lease.epoch or (epoch == lease.epoch and lease.live is None):
+                return None, True
+            if epoch == lease.live:
+                return (
+                    f"started under the writer lease held now (epoch {epoch}): the running "
+                    "job's save in flight",
+                    False,
+                )
+        if any(not _old(o.mtime, self.cutoff) for o in files):
+            return (
+                f"younger than {self.older_than:g} s, so it may be a save in flight; "
+                "use --older-than (older_than=) to remove it sooner",
+                False,
+            )
+        return None, False
+
+    def _read_key(self, step: int) -> bytes | None:
+        try:
+            return self.backend.read(layout.manifest_path(step))
+        except NotFoundError:
+            return None
 
     def _stale_pins(self, pins: list[ObjectInfo], committed: set[int]) -> list[str]:
         return [
@@ -192,14 +259,6 @@ class GarbageCollector:
             for pin in pins
             if _old(pin.mtime, self.cutoff) and _pinned_step(pin.path) not in committed
         ]
-
-    def _removed_attempts(self, step: int) -> frozenset[str]:
-        """The attempts the step's tombstone says were being removed."""
-        try:
-            data = self.backend.read(layout.manifest_path(step))
-        except NotFoundError:
-            return frozenset()
-        return tombstone_attempts(data) or frozenset()
 
     def _marker_epoch(self, step: int, attempt: str) -> int | None:
         """The lease epoch an attempt was started under, from its marker; None if unreadable."""
@@ -276,19 +335,26 @@ class _StoreListing:
         return found
 
 
-def held_lease_epoch(backend: Backend) -> int | None:
-    """The epoch of the writer lease if someone may hold it now: not released, and not held
-    by a process on this machine that has exited. None otherwise."""
-    try:
-        record, _, _ = read_lease(backend)
-    except CheckpointError:
-        return None
-    if record is None or record.released:
-        return None
-    holder = record.process()
-    if holder is not None and Process.current().same_machine(holder) and holder.gone():
-        return None
-    return record.epoch
+@dataclass(frozen=True)
+class LeaseView:
+    """What gc reads of the writer lease: its epoch (None: the store has never used one),
+    and that epoch again if someone may hold it now (not released, and not held by a process
+    on this machine that has exited), else None."""
+
+    epoch: int | None
+    live: int | None
+
+    @classmethod
+    def read(cls, backend: Backend) -> LeaseView:
+        try:
+            record, _, _ = read_lease(backend)
+        except CheckpointError:
+            return cls(None, None)  # unreadable: prove nothing by it
+        if record is None:
+            return cls(None, None)
+        holder = record.process()
+        gone = holder is not None and Process.current().same_machine(holder) and holder.gone()
+        return cls(record.epoch, None if record.released or gone else record.epoch)
 
 
 def _old(mtime: float | None, cutoff: float) -> bool:

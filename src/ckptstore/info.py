@@ -114,5 +114,7 @@ class GcReport:
     foreign: tuple[str, ...] = ()
     """Objects in step directories that ckptstore did not write: reported, never deleted."""
     kept: tuple[str, ...] = ()
-    """Uncommitted attempts left alone because they may still be live (young, or written by
-    the current writer lease holder)."""
+    """Uncommitted attempts (and tombstones) left alone because they may still be live: young,
+    or written under the writer lease held now."""
+    why: Mapping[str, str] = field(default_factory=dict)
+    """Why each of ``kept`` was kept, by its path."""

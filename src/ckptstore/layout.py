@@ -100,6 +100,19 @@ def parse_step_dir(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def split_step_uri(uri: str) -> tuple[str, int] | None:
+    """``s3://b/run/global_step_100`` -> ``("s3://b/run", 100)``; ``None`` for other URIs."""
+    head, _, name = uri.rstrip("/").rpartition("/")
+    step = parse_step_dir(name)
+    if step is None:
+        return None
+    if head.endswith(":/"):  # s3://global_step_1: a bucket, with no store above it
+        return None
+    if not head:
+        head = "/" if uri.startswith("/") else "."
+    return head, step
+
+
 def check_step(step: object, *, where: str = "step") -> int:
     """Accept a non-negative integer (or its decimal string); anything else is a ConfigError."""
     if isinstance(step, bool):

@@ -195,16 +195,19 @@ class WriterLease:
             )
 
     def _write_ours(self, record: LeaseRecord) -> None:
-        """Swap our record in; a version mismatch is our own retried write, or a takeover."""
+        """Swap our record in; a version mismatch is our own retried write, or a takeover.
+        ``_version`` only ever holds the version of a record of ours: a fenced writer that
+        kept a newer holder's version could swap it out (at release, say)."""
         for _ in range(_ATTEMPTS):
             try:
                 self._version = self.backend.swap(layout.LEASE_NAME, record.encode(), self._version)
                 self._record = record
                 return
             except PreconditionFailedError:
-                current, self._version, _ = read_lease(self.backend)
+                current, version, _ = read_lease(self.backend)
                 if current is None or not current.held_by(self.writer, self.epoch):
                     self._lose(taken_message(current))
+                self._version = version  # still ours: our own write landed, its answer lost
         raise BackendError(
             f"{self._uri} keeps changing under its holder", retryable=True, **self._context
         )
@@ -342,13 +345,18 @@ class WriterLease:
         _ABANDONED.put(self)
 
     def _write_released(self, record: LeaseRecord) -> None:
+        """Mark our record released, by compare-and-swap against our own record's version:
+        a record that is no longer ours (taken over) is never written again."""
+        if self.lost is not None:
+            return  # fenced: the record belongs to the writer that took it
         released = replace(record, released=True, renewed=self.clock())
+        version = self._version
         for _ in range(_ATTEMPTS):
             try:
-                self.backend.swap(layout.LEASE_NAME, released.encode(), self._version)
+                self.backend.swap(layout.LEASE_NAME, released.encode(), version)
                 return
             except PreconditionFailedError:
-                current, self._version, _ = read_lease(self.backend)
+                current, version, _ = read_lease(self.backend)
                 if current is None or not current.held_by(self.writer, record.epoch):
                     return  # taken over meanwhile: nothing of ours to give up
 

@@ -299,10 +299,22 @@ def _plain_value(value: Any, where: str) -> Any:
     return value
 
 
-def encode_tombstone(writer: str, time: float, attempts: Iterable[str]) -> bytes:
+def encode_tombstone(
+    writer: str, time: float, attempts: Iterable[str], *, committed: bool = False
+) -> bytes:
     """What stands at a step's manifest key once its files are being removed: who removes it,
-    and which save attempts (only those: a save that began later may commit over it)."""
-    body = {TOMBSTONE_KEY: 1, "writer": writer, "time": time, "attempts": sorted(attempts)}
+    and which save attempts (only those: a save that began later may commit over it).
+    ``committed``: the attempts were a committed step's (an uncommit), which nobody commits
+    again, so whoever finds the removal unfinished may finish it and drop the tombstone at
+    once; otherwise (gc or a coordinator removing uncommitted attempts) the tombstone stays
+    until no committer of those attempts can be alive (garbage.py)."""
+    body = {
+        TOMBSTONE_KEY: 1,
+        "writer": writer,
+        "time": time,
+        "attempts": sorted(attempts),
+        "committed": committed,
+    }
     return json.dumps(body, sort_keys=True).encode()
 
 
@@ -324,6 +336,15 @@ def tombstone_attempts(data: bytes) -> frozenset[str] | None:
 
 def is_tombstone(data: bytes) -> bool:
     return tombstone_attempts(data) is not None
+
+
+def tombstone_of_commit(data: bytes) -> bool:
+    """Whether ``data`` is an uncommit's tombstone (:func:`encode_tombstone`)."""
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(body, dict) and TOMBSTONE_KEY in body and body.get("committed") is True
 
 
 def _check_files_by_key(index: object, paths: set[str]) -> None:

@@ -1,8 +1,8 @@
 """Removing steps and attempts, so that no reader ever sees half a step.
 
 * Uncommitting (retention, ``rm``) swaps the manifest for a tombstone first, then deletes the
-  payload, so an interrupted delete leaves garbage that ``gc`` finds, never a half-deleted
-  committed step.
+  payload, so an interrupted delete never leaves a half-deleted committed step; the next prune
+  or ``gc`` that finds the tombstone finishes the removal (``roll_forward``).
 * Removing the attempts of an uncommitted step (``abort_step``, used by ``discard`` and ``gc``)
   first puts a tombstone at the manifest key with a create-only write. While it stands no commit
   of the step can succeed, so no file is deleted from under a step being committed.
@@ -24,7 +24,13 @@ from ckptstore.errors import (
     ObjectExistsError,
     PreconditionFailedError,
 )
-from ckptstore.manifest import Manifest, encode_tombstone, is_tombstone
+from ckptstore.manifest import (
+    Manifest,
+    encode_tombstone,
+    is_tombstone,
+    tombstone_attempts,
+    tombstone_of_commit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +66,34 @@ class Remover:
             return
         manifest = Manifest.decode(data, where=self.catalog.uri(path))
         attempts = {f.attempt for f in manifest.files if f.attempt is not None}
-        self._swap(path, encode_tombstone(self.writer, self.clock(), attempts), version)
+        tombstone = encode_tombstone(self.writer, self.clock(), attempts, committed=True)
+        self._swap(path, tombstone, version)
         self.catalog.forget(step)
         markers = {layout.attempt_marker_path(step, a) for a in attempts}
         delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
         self.drop_tombstone(step)
+
+    def roll_forward(self, step: int) -> list[str] | None:
+        """Finish an uncommit that died half-way (its tombstone stands): delete what is left
+        of the attempts it names, then the tombstone. Returns what was deleted; ``None`` when
+        the key holds no uncommit's tombstone (nothing to finish here)."""
+        path = layout.manifest_path(step)
+        try:
+            data = self.backend.read(path)
+        except NotFoundError:
+            return None
+        if not tombstone_of_commit(data):
+            return None
+        attempts = tombstone_attempts(data) or frozenset()
+        doomed = [
+            o.path
+            for o in self.backend.list(layout.step_dir(step) + "/")
+            if layout.parse_attempt_path(step, o.path) in attempts
+        ]
+        delete_attempt_files(self.backend, doomed)
+        self.drop_tombstone(step)
+        log.info("finished the removal of step %d from %s", step, self.backend.uri)
+        return [*doomed, path]
 
     def _swap(self, path: str, data: bytes, version: str) -> None:
         """Compare-and-swap, where a failed precondition caused by our own swap (it landed,
@@ -93,6 +122,14 @@ class Remover:
             delete_attempt_files(self.backend, paths)
         except CheckpointError as e:
             log.warning("could not remove the files of uncommitted step %d (gc will): %s", step, e)
+
+    def discard_step(self, step: int) -> None:
+        """Remove every staged file of an uncommitted step (a coordinator's, whose
+        participants staged files it will not commit); a failure is logged, gc finishes."""
+        try:
+            self.abort_step(step, keep_tombstone=False)
+        except CheckpointError as e:
+            log.warning("could not clean up uncommitted step %d (gc will): %s", step, e)
 
     def abort_step(
         self, step: int, attempts: set[str] | None = None, *, keep_tombstone: bool = True

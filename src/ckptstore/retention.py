@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import InitVar, dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -108,11 +108,8 @@ class KeepBest:
 
     def __post_init__(self) -> None:
         _check_positive("keep_best", self.n)
-        if not isinstance(self.metric, str) or not self.metric:
-            raise ConfigError(
-                f"best_metric must be a metadata key (a non-empty string), got {self.metric!r}"
-            )
-        _check_mode(self.mode)
+        _check_metric("best_metric", self.metric)
+        _check_mode("best_mode", self.mode)
 
     def best(self, steps: Sequence[StepRecord]) -> set[int]:
         """The ``n`` best steps among those with a usable value."""
@@ -144,16 +141,7 @@ class KeepEverySeconds:
     seconds: float
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.seconds, bool)
-            or not isinstance(self.seconds, (int, float))
-            or not math.isfinite(self.seconds)
-            or self.seconds <= 0
-        ):
-            raise ConfigError(
-                "keep_every_seconds must be a positive number of seconds (or None to disable), "
-                f"got {self.seconds!r}"
-            )
+        _check_seconds("keep_every_seconds", self.seconds)
 
     def keep(self, steps: list[StepRecord]) -> set[int]:
         kept: set[int] = set()
@@ -170,11 +158,28 @@ def _check_positive(name: str, value: object) -> None:
         raise ConfigError(f"{name} must be a positive integer (or None to disable), got {value!r}")
 
 
-def _check_mode(mode: object) -> None:
+def _check_mode(name: str, mode: object) -> None:
     if mode not in BEST_MODES:
         raise ConfigError(
-            f"best_mode must be 'min' (lower is better, e.g. a loss) or 'max' (higher is "
+            f"{name} must be 'min' (lower is better, e.g. a loss) or 'max' (higher is "
             f"better, e.g. an accuracy), got {mode!r}"
+        )
+
+
+def _check_metric(name: str, metric: object) -> None:
+    if not isinstance(metric, str) or not metric:
+        raise ConfigError(f"{name} must be a metadata key (a non-empty string), got {metric!r}")
+
+
+def _check_seconds(name: str, seconds: object) -> None:
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
+        raise ConfigError(
+            f"{name} must be a positive number of seconds (or None to disable), got {seconds!r}"
         )
 
 
@@ -237,28 +242,39 @@ class RetentionPolicy:
     keep_every_seconds: float | None = None
     custom: tuple[Policy, ...] = ()
 
-    def __post_init__(self) -> None:
+    spelling: InitVar[Callable[[str], str] | None] = None
+    """How messages name an option: ``keep_best`` here, ``--keep-best`` on the command line,
+    ``trainer.ckptstore.keep_best`` in verl's config (options.py)."""
+
+    def __post_init__(self, spelling: Callable[[str], str] | None) -> None:
         # Validate eagerly so a bad config fails when the store opens, not at the first prune.
+        name = spelling or str
+        for key in ("keep_last", "keep_every", "keep_best"):
+            if getattr(self, key) is not None:
+                _check_positive(name(key), getattr(self, key))
+        if self.keep_every_seconds is not None:
+            _check_seconds(name("keep_every_seconds"), self.keep_every_seconds)
         if self.keep_best is not None:
             if self.best_metric is None:
                 raise ConfigError(
-                    "keep_best needs best_metric: the metadata key to rank steps by (say "
-                    "best_metric='val_loss', saved with save(step, state, metadata={'val_loss': "
+                    f"{name('keep_best')} needs {name('best_metric')}: the metadata key to rank "
+                    "steps by (say val_loss, saved with save(step, state, metadata={'val_loss': "
                     "...}))"
                 )
             if self.best_mode is None:
                 raise ConfigError(
-                    "keep_best needs best_mode: 'min' if lower is better (a loss), 'max' if "
-                    "higher is better (an accuracy); there is no default, since a wrong one "
-                    "would delete the best steps"
+                    f"{name('keep_best')} needs {name('best_mode')}: 'min' if lower is better (a "
+                    "loss), 'max' if higher is better (an accuracy); there is no default, since "
+                    "a wrong one would delete the best steps"
                 )
+            _check_metric(name("best_metric"), self.best_metric)
         elif self.best_metric is not None or self.best_mode is not None:
             raise ConfigError(
-                "best_metric and best_mode only apply with keep_best (how many of the best "
-                "steps to keep)"
+                f"{name('best_metric')} and {name('best_mode')} only apply with "
+                f"{name('keep_best')} (how many of the best steps to keep)"
             )
         if self.best_mode is not None:
-            _check_mode(self.best_mode)
+            _check_mode(name("best_mode"), self.best_mode)
         if not isinstance(self.custom, tuple):
             raise ConfigError(f"custom must be a tuple of policies, got {self.custom!r}")
         for policy in self.custom:
@@ -286,7 +302,7 @@ class RetentionPolicy:
     @property
     def needs_records(self) -> bool:
         """Whether a rule judges more than step numbers: then every committed step's manifest
-        must be read (maintenance.py), not only the newest ``keep_last``."""
+        must be read (pruning.py), not only the newest ``keep_last``."""
         return any(not isinstance(p, (KeepLast, KeepEvery)) for p in self.policies())
 
     def keep(self, steps: Iterable[int | StepRecord]) -> set[int]:
@@ -308,20 +324,6 @@ class RetentionPolicy:
             else:
                 kept |= _run(rule, records)
         return kept
-
-    def counted(self, steps: Iterable[int | StepRecord]) -> set[int]:
-        """The steps kept by rules that keep a fixed number of steps (``keep_last``'s newest,
-        ``keep_best``'s best). A step counted there that another process has removed since
-        would push out one that should stay, so the executor confirms these before deleting."""
-        items = list(steps)
-        records = _records(items)
-        found: set[int] = set()
-        for rule in self.policies():
-            if isinstance(rule, KeepLast):
-                found |= rule.keep(items)
-            elif isinstance(rule, KeepBest) and records is not None:
-                found |= rule.best(records)
-        return found
 
 
 def _records(items: list[int | StepRecord]) -> list[StepRecord] | None:

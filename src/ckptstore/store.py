@@ -1,9 +1,9 @@
 """CheckpointStore: the one object users hold, a thin facade over the engines.
 
-A save goes: serialize the state into payload files (serialize.py), stage and commit them
-(saving.py, commit.py), move ``latest``, apply retention (maintenance.py). A load resolves the
-step (catalog.py) and reads every byte verified (loading.py, verified.py). Many-step operations
-are maintenance.py's and garbage.py's. None of it knows HTTP or file descriptors; backends do.
+A save is the coordinated save of one participant (coordination.py, saving.py); a load asks
+the resolver (resolver.py) which step, then reads every byte verified (loading.py); many-step
+operations are maintenance.py's, pruning.py's and garbage.py's. None of it knows HTTP or file
+descriptors; backends do. Options are validated once, by :class:`~ckptstore.options.StoreOptions`.
 """
 
 from __future__ import annotations
@@ -24,21 +24,26 @@ from ckptstore.async_saving import AsyncSaver
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
 from ckptstore.background import SaveHandle
+from ckptstore.catalog import Catalog
 from ckptstore.commit import Committer, Previous
-from ckptstore.compat import check_compat, check_mode
+from ckptstore.compat import check_compat
 from ckptstore.config import key_bytes, signing_key_from_env
+from ckptstore.coordination import Coordinator, Plan, stage
 from ckptstore.environment import current_environment, world_size
-from ckptstore.errors import CheckpointError
+from ckptstore.errors import ConfigError
 from ckptstore.garbage import GC_GRACE_SECONDS, GarbageCollector
 from ckptstore.info import CheckpointInfo, GcReport, Loaded, VerifyReport
-from ckptstore.lease import DEFAULT_TTL, WriterLease, check_ttl
+from ckptstore.lease import WriterLease
 from ckptstore.loading import download_step, load_state
 from ckptstore.maintenance import Maintenance
 from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry, check_metadata
 from ckptstore.observer import SaveObserver
+from ckptstore.options import StoreOptions
 from ckptstore.payload import Progress, SourceFile
-from ckptstore.retention import Policy, RetentionPolicy, as_policies
-from ckptstore.saving import StepWriter
+from ckptstore.pruning import Pins, Pruner
+from ckptstore.removal import Remover
+from ckptstore.resolver import Resolver
+from ckptstore.saving import Saver
 from ckptstore.signing import Signer
 from ckptstore.transfer import check_target
 
@@ -55,83 +60,70 @@ class CheckpointStore:
         self,
         uri: str,
         *,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: Literal["min", "max"] | None = None,
-        keep_every_seconds: float | None = None,
-        retention: Policy | Sequence[Policy] | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        compat: str = "warn",
-        shard_size: int = layout.DEFAULT_SHARD_SIZE,
-        incremental: bool = True,
-        lease: bool = True,
-        takeover: bool = False,
-        lease_ttl: float = DEFAULT_TTL,
-        signing_key: bytes | str | None = None,
+        options: StoreOptions | None = None,
         backend: Backend | None = None,
         clock: Callable[[], float] = time.time,
         observer: SaveObserver | None = None,
+        **kwargs: Any,
     ) -> None:
         """Open the store at ``uri``; nothing is written until the first save.
 
-        Retention (``keep_*``, ``best_*``, ``retention=`` policy objects: retention.py, and
-        the README's "Retention, pins and garbage") runs after each save and on ``prune()``;
-        its rules keep by union, and never delete ``latest``, a pinned step or a newer one.
-        A bad rule raises ConfigError here, not at the first save.
+        Options are :class:`~ckptstore.options.StoreOptions`' fields, as keyword arguments
+        (``keep_last=3``) or one ``options=`` object: retention (``keep_*``, ``best_*``,
+        ``retention=``), ``storage_options``, ``compat``, ``shard_size``, ``incremental``,
+        ``lease``, ``takeover``, ``lease_ttl``, ``signing_key``, ``save_timeout``. A bad
+        value raises ConfigError here, not at the first save. A URI that is a committed step's
+        directory is refused (open its store and name the step).
         """
-        self.retention = RetentionPolicy(
-            keep_last,
-            keep_every,
-            keep_best=keep_best,
-            best_metric=best_metric,
-            best_mode=best_mode,
-            keep_every_seconds=keep_every_seconds,
-            custom=as_policies(retention),
-        )
-        self.compat = check_mode(compat)
-        check_ttl(lease_ttl)  # also without a lease: a typo should not wait for lease=True
-        self.backend = backend if backend is not None else open_backend(uri, storage_options)
+        if options is not None and kwargs:
+            raise ConfigError(f"pass options= or keyword options, not both (got {sorted(kwargs)})")
+        self.options = opts = options if options is not None else StoreOptions(**kwargs)
+        self.retention = opts.policy
+        self.compat = opts.compat
+        self.backend = backend or open_backend(uri, opts.storage_options)
         self.uri = self.backend.uri
         self.clock = clock
         self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        key = key_bytes(signing_key) if signing_key is not None else signing_key_from_env()
+        key = key_bytes(opts.signing_key) if opts.signing_key is not None else None
+        key = key if key is not None else signing_key_from_env()
         self.signer = Signer(key) if key is not None else None
-        self._committer = Committer(
-            self.backend, writer=self.writer, clock=clock, signer=self.signer
-        )
-        self._catalog, self._remover = self._committer.catalog, self._committer.remover
-        self._lease = (
-            WriterLease(
-                self.backend,
-                self.writer,
-                ttl=lease_ttl,
-                takeover=takeover,
-                clock=clock,
-                on_takeover=self._committer.stamp_latest,
-            )
-            if lease
-            else None
-        )
+        self._catalog = catalog = Catalog(self.backend, signer=self.signer)
+        _refuse_step_directory(uri, catalog)
+        self._remover = Remover(self.backend, writer=self.writer, catalog=catalog, clock=clock)
+        self._committer = Committer(catalog, self._remover, writer=self.writer, clock=clock)
+        self._resolver = Resolver(catalog)
+        self._lease = self._open_lease(opts)
+        pins = Pins(self.backend)
+        self._pruner = Pruner(catalog, self._remover, self.retention, pins)
         self._maintenance = Maintenance(
-            self._catalog, self._committer, self.retention, self.hold_lease
-        )
-        self._saver = StepWriter(
-            self._maintenance, self._lease, self._env, clock, incremental, shard_size, observer
-        )
-        self._async = AsyncSaver(self._saver)
-        if self._lease is not None:
-            self._lease.release_when_collected(self)  # a dropped store lets the lease go
-            if takeover:
-                self._lease.hold()  # fence the old holder now, before this job loads anything
+            catalog, self._resolver, self._committer, self._remover, pins, self._pruner,
+            self.hold_lease,
+        )  # fmt: skip
+        self._async = AsyncSaver()
         self._environment: Environment | None = None
-        # adoption records the world size its files' names say: no torch.distributed import
-        self._adopter = Adopter(
-            self._maintenance, lambda: self._environment or current_environment(), clock
-        )
+        self._saver = Saver(
+            catalog, self._committer, self._remover, self._lease, self._pruner.after_save,
+            self._env, clock, opts.incremental, opts.shard_size, self._async.drain, observer,
+        )  # fmt: skip
+        self._adopter = Adopter(self._saver)
         self.last_loaded: CheckpointInfo | None = None
         """The step the last ``load`` returned (it may fall back past a corrupt latest)."""
+        if self._lease is not None and opts.takeover:
+            self._lease.hold()  # fence the old holder now, before this job loads anything
+
+    def _open_lease(self, opts: StoreOptions) -> WriterLease | None:
+        if not opts.lease:
+            return None
+        lease = WriterLease(
+            self.backend,
+            self.writer,
+            ttl=opts.lease_ttl,
+            takeover=opts.takeover,
+            clock=self.clock,
+            on_takeover=self._committer.stamp_latest,
+        )
+        lease.release_when_collected(self)  # a dropped store lets the lease go
+        return lease
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, retention={self.retention})"
@@ -181,11 +173,11 @@ class CheckpointStore:
     ) -> CheckpointInfo:
         """Write ``state`` as ``step``, commit it, move ``latest``, apply retention.
 
-        Waits for an async save in flight first (and raises its error if nobody heard of it).
-        A step older than ``latest``'s is refused with StepBehindLatestError before anything
-        is uploaded (a rerun that forgot to resume); ``allow_older=True`` commits it anyway,
-        ``latest`` stays, and retention applies as usual (``keep_last`` may delete it at once).
+        Waits for an async save in flight first. A step older than ``latest``'s is refused
+        (StepBehindLatestError) before anything is uploaded: a rerun that forgot to resume.
+        ``allow_older=True`` commits it anyway; ``latest`` stays.
         """
+        step = layout.check_step(step)
         return self._saver.save(step, state, metadata, allow_pickle, allow_older=allow_older)
 
     def save_async(
@@ -198,21 +190,19 @@ class CheckpointStore:
         allow_older: bool = False,
         overlap: bool | Optimizer | Iterable[Optimizer] = False,
     ) -> SaveHandle[CheckpointInfo]:
-        """Snapshot ``state`` and save it in the background; returns at once after the copy.
+        """Snapshot ``state`` and save it in the background; returns once the copy is made
+        (pinned host buffers for CUDA tensors, reused across saves).
 
-        One save is in flight at a time: this first waits for the previous one to commit, and
-        raises its error if nobody heard of it. Tensors are copied into buffers reused across
-        saves (pinned host memory for CUDA tensors), so training may change them right away.
-        With ``overlap=optimizer`` (or a list), the copy of that optimizer's parameters and
-        state runs in the background too, and its next ``step()`` waits for what is left;
-        other tensors are copied here. ``overlap=True`` defers every tensor: call
-        ``before_update()`` (or ``handle.snapshot_done()``) before changing any.
-        A step older than ``latest``'s raises StepBehindLatestError here (as ``save``).
-        At exit, a pending save is finished (announced on stderr); a Ctrl-C then abandons it.
+        One save is in flight at a time. ``overlap=optimizer`` copies that optimizer's
+        parameters and state in the background too (its next ``step()`` waits for what is
+        left); ``overlap=True`` defers every tensor until ``before_update()``. README
+        "Saving fast" has the details.
         """
+        step = layout.check_step(step)
         return self._async.save_async(
-            step, state, metadata, allow_pickle, allow_older=allow_older, overlap=overlap
-        )
+            self._saver, step, state, metadata, allow_pickle, allow_older=allow_older,
+            overlap=overlap,
+        )  # fmt: skip
 
     def before_update(self) -> None:
         """Return once the tensors of an overlapped ``save_async`` may change (optimizer
@@ -221,7 +211,7 @@ class CheckpointStore:
 
     def wait(self) -> None:
         """Wait for the async save in flight; raise its error if nobody heard of it."""
-        self._saver.background.drain()
+        self._async.drain()
 
     def push_dir(
         self,
@@ -232,8 +222,8 @@ class CheckpointStore:
         progress: Progress | None = None,
         allow_older: bool = False,
     ) -> CheckpointInfo:
-        """Commit every file under ``local_dir`` as ``step`` (a verl ``global_step_N`` dir);
-        ``allow_older`` as in ``save``."""
+        """Commit every file under ``local_dir`` as ``step`` (a verl ``global_step_N`` dir)."""
+        step = layout.check_step(step)
         return self._saver.push_dir(step, Path(local_dir), metadata, progress, allow_older)
 
     def adopt(
@@ -243,51 +233,52 @@ class CheckpointStore:
         metadata: Mapping[str, Any] | None = None,
         progress: Progress | None = None,
     ) -> builtins.list[CheckpointInfo]:
-        """Commit in place step directories already in the store that ckptstore did not
-        write (a verl run uploaded with ``aws s3 sync``): ``step``'s, or with ``None`` every
-        such directory, oldest first. Each file is read once to checksum it; nothing is
-        copied, and ``latest`` only moves forward (older steps are adopted too). Run it on a
-        quiescent directory: a file changed afterwards fails ``verify``. A committed step, or
-        one without foreign files, is a ConflictError or NotFoundError (adoption.py)."""
+        """Commit in place step directories that ckptstore did not write (a run uploaded
+        with ``aws s3 sync``): ``step``'s, or every such directory, oldest first (adoption.py)."""
         user_metadata = check_metadata(metadata)
-        self._saver.background.drain()
+        self._async.drain()
         return self._adopter.adopt(step, user_metadata, progress)
 
     def adoptable(self, step: int | None = None) -> builtins.list[ForeignStep]:
         """What ``adopt(step)`` would commit, without reading or writing a byte of it."""
         return self._adopter.find(step)
 
-    def previous(self, kind: str = KIND_DIRECTORY) -> Previous:
-        """What a coordinator reads once for all its stagers: ``latest``'s step and (if the
-        store is incremental and that step is of ``kind``) its files. Cut it per stager with
-        ``Previous.only``/``among`` and pass each part to ``stage_files(previous=...)``."""
-        return self._saver.previous_for(kind)
+    # -- multi-process saves (coordination.py) -----------------------------------------------
+
+    def begin_save(
+        self,
+        step: int,
+        *,
+        kind: str = KIND_DIRECTORY,
+        metadata: Mapping[str, Any] | None = None,
+        allow_older: bool = False,
+    ) -> Coordinator:
+        """On the coordinator of a multi-process save: take the writer lease, refuse a
+        committed step or one behind ``latest``, read the previous step once. Hand each
+        participant its cut of ``.plan`` (``plan.split``/``only``/``among``), gather what
+        ``stage_files`` returns, then ``.commit(entries)`` or ``.conclude(reports)``."""
+        step = layout.check_step(step)
+        return self._saver.begin(step, kind, metadata=metadata, allow_older=allow_older)
 
     def stage_files(
         self,
         step: int,
         files: Iterable[SourceFile],
         *,
+        plan: Plan | None = None,
         kind: str = KIND_DIRECTORY,
         progress: Progress | None = None,
-        allow_older: bool = False,
-        previous: Previous | None = None,
     ) -> builtins.list[FileEntry]:
-        """Upload payload files of ``step`` without committing it; returns their entries.
-
-        The building block of multi-process saves: every rank or node stages its own files
-        (paths must not collide), then one process passes all entries to ``commit_files``.
-        Files unchanged since the latest step (same path, size and checksum) are copied
-        server-side instead of uploaded when the store is ``incremental``. Each call writes
-        into an attempt directory of its own, so callers never collide on a key.
-        A step older than ``latest``'s is refused before any upload unless ``allow_older``.
-        ``previous``: ``latest``'s step and this process's entries of it, read once by a
-        coordinator (``store.previous_for(kind).only(folder)``) so that stagers read neither
-        the pointer nor the manifest; None reads them here.
-        """
-        return self._saver.stage(
-            step, files, kind=kind, progress=progress, allow_older=allow_older, previous=previous
-        )
+        """On a participant: upload files of ``step`` into an attempt of their own, without
+        committing; returns their entries for the coordinator. ``plan``: the coordinator's
+        (``begin_save``), whose previous files are copied instead of uploaded when
+        unchanged; without one nothing is reused. Open participants' stores with
+        ``lease=False``."""
+        step = layout.check_step(step)
+        if plan is None:
+            epoch = self._lease.epoch or 0 if self._lease is not None else 0
+            plan = Plan(step, kind, epoch, Previous(None))
+        return stage(self._saver, plan, files, progress)
 
     def commit_files(
         self,
@@ -297,33 +288,18 @@ class CheckpointStore:
         kind: str = KIND_DIRECTORY,
         metadata: Mapping[str, Any] | None = None,
         world_size: int | None = None,
-        started: float | None = None,
         allow_older: bool = False,
     ) -> CheckpointInfo:
-        """Commit staged files as ``step``: confirm them, write the manifest, move ``latest``,
-        apply retention. On failure before the manifest is written nothing is committed.
-        ``started``, a ``time.perf_counter()`` taken before staging, makes the returned
-        stats count the staging too. A step older than ``latest``'s is refused (its staged
-        files removed) unless ``allow_older``."""
-        timing = (started, 0.0) if started is not None else None
-        return self._saver.commit(
-            step,
-            entries,
-            kind=kind,
-            metadata=metadata or {},
-            world_size=world_size,
-            timing=timing,
-            allow_older=allow_older,
+        """Commit staged files as ``step`` (``begin_save`` then ``commit``): on failure
+        before the manifest is written, nothing is committed and the files are removed."""
+        step = layout.check_step(step)
+        return self._saver.commit_staged(
+            step, kind, tuple(entries), metadata, world_size=world_size, allow_older=allow_older
         )
 
     def discard(self, step: int) -> None:
-        """Remove every staged file of an uncommitted ``step`` (never a committed one's), for
-        a coordinator whose ranks staged files it will not commit. A rival writer of the same
-        step, if any, fails to commit with a clear error while this runs."""
-        try:
-            self._remover.abort_step(layout.check_step(step), keep_tombstone=False)
-        except CheckpointError as e:
-            log.warning("could not clean up uncommitted step %d (gc will): %s", step, e)
+        """Remove every staged file of an uncommitted ``step`` (never a committed one's)."""
+        self._remover.discard_step(layout.check_step(step))
 
     def hold_lease(self) -> int:
         """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""
@@ -338,26 +314,30 @@ class CheckpointStore:
 
     def info(self, step: int) -> CheckpointInfo:
         """The committed step's info; NotFoundError if it is not committed."""
-        return self._catalog.info(step)
+        return self._catalog.info(layout.check_step(step))
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed step (the pointer's, unless a listing finds a newer one);
-        ``None`` only when the store holds no committed step."""
-        return self._catalog.latest()
+        """The newest committed step (resolver.py); ``None`` only for an empty store: a
+        store whose steps cannot be read raises, saying why."""
+        return self._resolver.latest()
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every readable committed step, ascending. Broken manifests are logged, not listed."""
         return self._catalog.list()
 
     def reload(self) -> None:
-        """Forget the manifests this object has read (catalog.py), so the next listing reads
-        them again: after another process removed a step whose directory is still there."""
+        """Forget the manifests this object has read (catalog.py)."""
         self._catalog.forget_all()
 
     def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
         """Committed steps (of ``infos``, default all) that a writer committed after it lost
         the writer lease: never returned by ``latest()``/``load()``; ``delete`` removes them."""
-        return self._catalog.fenced_steps(infos)
+        return self._resolver.fenced_steps(infos)
+
+    @property
+    def resolver(self) -> Resolver:
+        """Which step a load starts from (resolver.py), for faces that load on many ranks."""
+        return self._resolver
 
     @overload
     def load(
@@ -390,29 +370,21 @@ class CheckpointStore:
         with_info: bool = False,
         keys: Sequence[str] | None = None,
     ) -> Any:
-        """The state saved as ``step`` (default: latest), every byte verified.
-
-        With no ``step`` and ``fallback``, a latest step that fails verification is skipped
-        with a warning for the newest older one that passes; never silently none at all.
-        ``with_info=True`` returns :class:`~ckptstore.info.Loaded`, the state together with
-        the info of the step it came from (``.step``, ``.metadata``): a separate ``latest()``
-        call may name another step if a writer commits in between.
-        ``keys=["model"]`` (dotted paths: ``"model.encoder"``) loads only those parts of a dict
-        state, nested as saved, reading only the files that hold them.
-        """
+        """The state saved as ``step`` (default: latest, falling back past steps that fail
+        verification, with a warning), every byte verified. ``with_info=True`` returns
+        :class:`~ckptstore.info.Loaded` (state and step together); ``keys=["model"]`` loads
+        only those parts of a dict state, reading only their files."""
 
         def load(info: CheckpointInfo) -> Any:
             check_compat(info.manifest.environment, self._env(), mode=self.compat, where=info.uri)
-            state = load_state(self._catalog, info, allow_pickle=allow_pickle, keys=keys)
-            self.last_loaded = info
-            return state
+            return load_state(self._catalog, info, allow_pickle=allow_pickle, keys=keys)
 
-        info, state = self._catalog.resolve(step, fallback, load)
-        return Loaded(state, info) if with_info else state
+        found = self._resolver.resolve(step, fallback, load)
+        self.last_loaded = found.info
+        return Loaded(found.value, found.info) if with_info else found.value
 
     def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
-        """One payload file of a committed step, size and CRC32C verified against its manifest,
-        so each rank of a multi-rank load reads only its own files (distributed.py, DCP)."""
+        """One payload file of a committed step, verified against its manifest."""
         return self._catalog.read_file(info, path)
 
     def pull_dir(
@@ -428,38 +400,26 @@ class CheckpointStore:
         exclude: str | Sequence[str] = (),
     ) -> CheckpointInfo:
         """Download a committed step's files into ``local_dir``, every byte verified; returns
-        the step's info. ``local_dir`` holds the whole step or does not exist: the files stream
-        (in ranged chunks, about 64 MiB in memory at most) into a temporary directory beside
-        it, renamed into place once all are verified.
-
-        A non-empty ``local_dir`` is refused unless ``force`` (merge: the step's files
-        overwrite same-named ones) or ``delete`` (exact copy, like ``aws s3 sync --delete``).
-        ``include``/``exclude`` globs select files with the aws CLI's rules
-        (:func:`~ckptstore.transfer.path_filter`); such a pull is partial. ``fallback`` as in
-        ``load``.
-        """
+        the step's info. The files stream into a temporary directory beside it, renamed into
+        place once all are verified. A non-empty ``local_dir`` is refused unless ``force``
+        (merge) or ``delete`` (exact copy, like ``aws s3 sync --delete``); ``include`` and
+        ``exclude`` globs follow the aws CLI's rules (transfer.py)."""
         target = Path(local_dir)
         check_target(target, force=force or delete)  # before any read
 
         def pull(info: CheckpointInfo) -> None:
             download_step(
-                self._catalog,
-                info,
-                target,
-                progress,
-                force=force,
-                delete=delete,
-                include=include,
-                exclude=exclude,
-            )
+                self._catalog, info, target, progress, force=force, delete=delete,
+                include=include, exclude=exclude,
+            )  # fmt: skip
 
-        return self._catalog.resolve(step, fallback, pull)[0]
+        return self._resolver.resolve(step, fallback, pull).info
 
-    # -- many steps at once (maintenance.py, garbage.py) -----------------------------------
+    # -- many steps at once (maintenance.py, pruning.py, garbage.py) -----------------------
 
     def verify(self, step: int | None = None) -> VerifyReport:
         """Check every file of ``step`` (default: latest) against its manifest."""
-        return self._maintenance.verify(step)
+        return self._maintenance.verify(None if step is None else layout.check_step(step))
 
     def verify_all(self) -> builtins.list[VerifyReport]:
         """``verify`` for every committed step, including those with unreadable manifests."""
@@ -467,23 +427,23 @@ class CheckpointStore:
 
     def pin(self, step: int) -> None:
         """Protect a committed step from retention until ``unpin``."""
-        self._maintenance.pin(step)
+        self._maintenance.pin(layout.check_step(step))
 
     def unpin(self, step: int) -> bool:
         """Remove a pin; returns False if the step was not pinned."""
-        return self._maintenance.unpin(step)
+        return self._maintenance.pins.remove(layout.check_step(step))
 
     def pins(self) -> builtins.list[int]:
         """The pinned steps, ascending."""
-        return self._maintenance.pins()
+        return self._maintenance.pins.steps()
 
     def prune(self, dry_run: bool = False) -> builtins.list[int]:
         """Delete the committed steps the retention policy does not keep; returns them."""
-        return self._maintenance.prune(dry_run)
+        return self._pruner.prune(dry_run)
 
     def delete(self, step: int, *, force: bool = False) -> None:
         """Delete a committed step; ``latest`` or a pinned one needs ``force``."""
-        self._maintenance.delete(step, force)
+        self._maintenance.delete(layout.check_step(step), force)
 
     def copy_to(
         self,
@@ -496,11 +456,24 @@ class CheckpointStore:
         return self._maintenance.copy_to(other._maintenance, steps, progress)
 
     def gc(self, dry_run: bool = False, *, older_than: float = GC_GRACE_SECONDS) -> GcReport:
-        """Remove uncommitted files, stray uploads and stale pins older than ``older_than`` s.
-
-        NotFoundError, deleting nothing, if the URI holds no store (a mistyped URI, or files
-        that another tool put there): gc removes only what a store's failed saves leave."""
+        """Remove what failed saves and interrupted removals left, once proven dead
+        (garbage.py); NotFoundError, deleting nothing, if the URI holds no store."""
         collector = GarbageCollector(
             self._catalog, self._remover, self.clock, dry_run=dry_run, older_than=older_than
         )
         return collector.run()
+
+
+def _refuse_step_directory(uri: str, catalog: Catalog) -> None:
+    """A committed step's directory is not a store: saving there would nest steps inside it
+    (one request, for URIs whose last name is ``global_step_N`` only)."""
+    inside = layout.split_step_uri(uri)
+    if inside is None or catalog.backend.stat(layout.MANIFEST_NAME) is None:
+        return
+    store, step = inside
+    raise ConfigError(
+        f"{uri} is the directory of committed step {step}, not a store: open its store, "
+        f"{store}, and name the step (store.load({step}), ckptstore show {store} {step})",
+        uri=uri,
+        step=step,
+    )

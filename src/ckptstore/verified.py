@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import mmap
-from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 
 from ckptstore import layout
 from ckptstore.backends.base import Backend, Chunk, join
@@ -29,27 +27,15 @@ HUGE_PAGE_ADVICE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 """``None`` where the platform has no such advice (not Linux): buffers use normal pages."""
 
 
-@runtime_checkable
-class ChunkedReadInto(Protocol):
-    """A backend that fills ``out`` in order and hands each piece to ``on_chunk`` as it lands
-    (the local backend): a load checksums each piece while it is still in the CPU's cache,
-    instead of reading the whole file from memory a second time."""
-
-    def read_into_chunks(
-        self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
-    ) -> int: ...
-
-
 def read_verified(
     backend: Backend, step: int, entry: FileEntry, *, actual_size: int | None = None
 ) -> memoryview:
     """A payload file's bytes after checking them against the manifest's entry.
 
     The buffer is allocated once at the manifest's size and filled in place, after the
-    object's real size (``actual_size`` from a listing, or a stat) matched it. Where the
-    backend reads in order (:class:`ChunkedReadInto`), the digests are computed piece by piece
-    as the read fills the buffer; elsewhere (parallel ranges land in any order) in one pass
-    after it.
+    object's real size (``actual_size`` from a listing, or a stat) matched it. The digests
+    are computed piece by piece as the backend hands the pieces over
+    (``Backend.read_into_chunks``).
     """
     path = entry.key(step)
     where = join(backend.uri, path)
@@ -63,11 +49,7 @@ def read_verified(
     data = _unfilled_buffer(entry.size)
     check = StreamCheck(entry, where=where, step=step)
     try:
-        if isinstance(backend, ChunkedReadInto):
-            size = backend.read_into_chunks(path, data, check.update)
-        else:
-            size = backend.read_into(path, data)
-            check.update(data)
+        size = backend.read_into_chunks(path, data, check.update)
     except NotFoundError as e:
         raise missing_file(where, path, step) from e
     if size != entry.size:

@@ -25,7 +25,10 @@ first such write warns once. A backend that has a cheaper version check or a wri
 its new version overrides :meth:`BaseBackend._is_current` or :meth:`BaseBackend._put_versioned`.
 
 :class:`BackendProxy` delegates every member to another backend, so a wrapper (fault
-injection, request counting) overrides only what it changes.
+injection, request counting) overrides only what it changes. Every capability is a declared
+member of the protocol (``read_into_chunks``, ``parallel_writes``): callers never look for
+one by ``getattr`` or ``isinstance``, so a proxied backend runs the same paths as the one it
+wraps, and the contract suite checks proxies too.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import builtins
 import logging
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -113,6 +116,20 @@ class Backend(Protocol):
         Loads allocate ``out`` once at the size the manifest promises and read straight into
         it (in parallel ranges where the backend can), so a file is never copied twice.
         """
+        ...
+
+    def read_into_chunks(
+        self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
+    ) -> int:
+        """``read_into``, handing each filled piece of ``out`` to ``on_chunk`` in order, so a
+        load checksums a piece while it is still in the CPU's cache (the local backend), or,
+        where pieces land in any order (parallel ranges), the whole buffer once it is full."""
+        ...
+
+    @property
+    def parallel_writes(self) -> int:
+        """How many files a save writes at once, known without probing the server: a rank
+        that only stages payload never writes conditionally and must not pay for a probe."""
         ...
 
     def read_versioned(self, path: str) -> tuple[bytes, str]:
@@ -236,6 +253,20 @@ class BaseBackend(abc.ABC):
             data = self.read(path, 0, len(out))
             out[: len(data)] = data
         return info.size
+
+    def read_into_chunks(
+        self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
+    ) -> int:
+        """``read_into``, then the whole filled buffer to ``on_chunk``: override where the
+        backend reads in order and can hand over pieces as they land."""
+        size = self.read_into(path, out)
+        on_chunk(out[: min(size, len(out))])
+        return size
+
+    @property
+    def parallel_writes(self) -> int:
+        """``capabilities.parallel_writes``: override where asking that would probe."""
+        return self.capabilities.parallel_writes
 
     def copy(self, src: str, dst: str) -> None:
         """Read the whole object, write it again: override where objects are large."""
@@ -365,6 +396,15 @@ class BackendProxy:
 
     def read_into(self, path: str, out: memoryview) -> int:
         return self.inner.read_into(path, out)
+
+    def read_into_chunks(
+        self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
+    ) -> int:
+        return self.inner.read_into_chunks(path, out, on_chunk)
+
+    @property
+    def parallel_writes(self) -> int:
+        return self.inner.parallel_writes
 
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         return self.inner.read_versioned(path)

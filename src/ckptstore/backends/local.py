@@ -100,8 +100,8 @@ class LocalBackend(BaseBackend):
         self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
     ) -> int:
         """``read_into`` in ``READ_CHUNK`` pieces, each handed to ``on_chunk`` as soon as it
-        is filled, in order (:class:`~ckptstore.verified.ChunkedReadInto`), while it is
-        still in the CPU's cache: a load checksums it there instead of in a second pass."""
+        is filled, in order, while it is still in the CPU's cache: a load checksums it there
+        instead of in a second pass."""
         target = self._path(path)
         with _translated(target, "read", self._where(path)):
             fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)

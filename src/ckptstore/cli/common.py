@@ -26,6 +26,7 @@ from ckptstore import layout
 from ckptstore.backends.registry import scheme_of
 from ckptstore.compat import COMPAT_MODES
 from ckptstore.errors import ConfigError, NotFoundError
+from ckptstore.options import CLI, StoreOptions
 from ckptstore.retention import BEST_MODES
 from ckptstore.store import CheckpointStore
 
@@ -255,45 +256,45 @@ def open_store(
         options = settings.storage_options
     if scheme_of(uri) == "file":
         options = {}
-    store = CheckpointStore(
-        uri,
-        **(retention or {}),
-        storage_options=options,
-        compat=settings.compat,
-        takeover=takeover,
-    )
-    ctx.with_resource(store)
-    inside = split_step_uri(uri)
-    if inside is not None and store.backend.stat(layout.MANIFEST_NAME) is not None:
+    try:
+        store = CheckpointStore(
+            uri,
+            options=StoreOptions(
+                **(retention or {}),
+                storage_options=options,
+                compat=settings.compat,
+                takeover=takeover,
+                spelling=CLI,
+            ),
+        )
+    except ConfigError as e:
+        inside = split_step_uri(uri)
+        if inside is None or e.step != inside[1]:
+            raise
         raise ConfigError(
             f"{uri} is the directory of step {inside[1]}, not a store: {step_dir_hint(uri)}",
             uri=uri,
             step=inside[1],
-        )
+        ) from e
+    ctx.with_resource(store)
     return store
 
 
-def split_step_uri(uri: str) -> tuple[str, int] | None:
-    """``s3://b/run/global_step_100`` -> ``("s3://b/run", 100)``; ``None`` for other URIs."""
-    head, _, name = uri.rstrip("/").rpartition("/")
-    step = layout.parse_step_dir(name)
-    if step is None:
-        return None
-    if head.endswith(":/"):  # s3://global_step_1: a bucket, with no store above it
-        return None
-    if not head:
-        head = "/" if uri.startswith("/") else "."
-    return head, step
+split_step_uri = layout.split_step_uri
 
 
 def step_dir_hint(uri: str) -> str:
-    """What to type instead of a step directory's URI: the store and the step apart."""
+    """What to type instead of a step directory's URI: the store and the step apart, in the
+    command the user typed where it takes a step (``pull URI DEST STEP``), else ``show``."""
     split = split_step_uri(uri)
     if split is None:
         return ""
     store, step = split
     ctx = click.get_current_context(silent=True)
     command = ctx.info_name if ctx is not None and ctx.parent is not None else None
+    if command == "pull" and ctx is not None:
+        dest = ctx.params.get("local_dir") or "DEST"
+        return f"its store is {store}; run: ckptstore pull {store} {dest} {step}"
     if command not in STEP_COMMANDS:
         command = "show"
     return f"its store is {store}; run: ckptstore {command} {store} {step}"

@@ -5,13 +5,14 @@ DCP plans who saves what and reshards on load; this module only moves its bytes.
 (``store.stage_files``), and the coordinator's ``finish`` stages DCP's ``.metadata`` and then
 commits the step with ``commit_files``. So ckptstore's manifest, which lists every rank's files
 with their CRC32C, is the commit marker; DCP's ``.metadata`` is payload like the rest.
-``write_data`` never raises (DCP would then skip ``finish`` and leave the other ranks' files
-behind): a failure travels to ``finish`` as a marker in the rank's write results, and
-``finish`` discards the step and raises, so nothing is committed and no staged file is left.
-Only the coordinator takes the writer lease, in ``prepare_global_plan``, before any upload.
-There it also reads ``latest`` and the previous step's manifest, once, and puts into each
-rank's plan (which DCP scatters anyway) the entry of that rank's file, so a rank reads neither:
-its staging costs the same whatever the number of ranks (README "Scale").
+It is the coordinated save (coordination.py) with DCP's coordinator as ours: it begins the save
+in ``prepare_global_plan`` (the writer lease, the refusals, one read of the previous step)
+before any upload, and puts into each rank's plan (which DCP scatters anyway) that rank's cut,
+so a rank reads nothing and its staging costs the same whatever the number of ranks (README
+"Scale"). ``write_data`` never raises (DCP would then skip ``finish`` and leave the other
+ranks' files behind): its report travels to ``finish`` as a marker in the rank's write
+results, and ``finish`` concludes the save: nothing committed and no staged file left if any
+rank failed. The reader asks the store's resolver (resolver.py) which step to load.
 
 Files are named as ``FileSystemWriter`` names them (``__<rank>_0.distcp``, ``.metadata``), so a
 step fetched with ``store.pull_dir`` (CLI: ``ckptstore pull``) also loads with plain
@@ -56,15 +57,12 @@ from torch.futures import Future
 
 from ckptstore import layout
 from ckptstore.backends.base import join
-from ckptstore.commit import Previous
-from ckptstore.distributed import Collectives, describe
+from ckptstore.coordination import Coordinator, Plan, Staged
+from ckptstore.distributed import Collectives
 from ckptstore.errors import (
     CheckpointError,
     ConfigError,
-    ConflictError,
     CorruptCheckpointError,
-    DistributedCheckpointError,
-    IncompleteCheckpointError,
     NotFoundError,
 )
 from ckptstore.info import CheckpointInfo
@@ -88,21 +86,12 @@ _MARKER = MetadataIndex("__ckptstore_staged__")
 
 
 @dataclass(frozen=True)
-class _Staged:
-    """What one rank's ``write_data`` did, carried to ``finish`` inside its write results."""
-
-    rank: int
-    entries: tuple[FileEntry, ...]
-    error: str | None = None
-
-
-@dataclass(frozen=True)
 class _RankPlan:
     """A rank's ``storage_data`` in the global plan: its file's prefix (as FileSystemWriter's
-    ``_StoragePrefix``) and the coordinator's word on the previous step."""
+    ``_StoragePrefix``) and its cut of the coordinated save's plan (coordination.py)."""
 
     prefix: str
-    previous: Previous | None = None
+    plan: Plan
 
 
 def _step_of(checkpoint_id: str | os.PathLike[str]) -> int:
@@ -129,8 +118,8 @@ class CkptStoreWriter(StorageWriter):
         self.save_id = str(uuid.uuid4())
         self.rank = 0
         self.is_coordinator = True
-        self._previous: Previous | None = None
-        """The coordinator's read of the previous step (``prepare_global_plan``)."""
+        self._coordinator: Coordinator | None = None
+        """The coordinated save, begun on the coordinator in ``prepare_global_plan``."""
 
     @property
     def checkpoint_id(self) -> str:
@@ -162,83 +151,62 @@ class CkptStoreWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator, before any rank writes: take the writer lease, check the step is new,
-        and give each rank's plan the previous step's entry of its file."""
-        self.store.wait()
-        self.store.hold_lease()
-        if self.store.backend.stat(layout.manifest_path(self.step)) is not None:
-            raise ConflictError(
-                f"step {self.step} is already committed in {self.store.uri}; committed steps "
-                "are immutable. Save under a new step, or `ckptstore rm` it first"
-            )
-        previous = self._previous = self.store.previous(KIND_DIRECTORY)
-        by_path = {f.path: f for f in previous.files}
+        """Coordinator, before any rank writes: begin the coordinated save (the writer
+        lease, the refusals, one read of the previous step) and give each rank's plan its
+        cut, the previous step's entry of its file."""
+        coordinator = self._coordinator = self.store.begin_save(
+            self.step, kind=KIND_DIRECTORY, metadata=self.metadata
+        )
 
         def plan_of(i: int) -> _RankPlan:
             prefix = f"__{i}_"
-            entry = by_path.get(f"{prefix}0{DATA_SUFFIX}")
-            return _RankPlan(prefix, Previous(previous.step, (entry,) if entry else ()))
+            return _RankPlan(prefix, coordinator.plan.among([f"{prefix}0{DATA_SUFFIX}"]))
 
         return [dataclasses.replace(p, storage_data=plan_of(i)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Stream this rank's items into one staged file; a failure travels to ``finish`` as a
         marker."""
-        try:
-            results: list[WriteResult] = []
-            entries: list[FileEntry] = []
-            if plan.items:
-                name = f"{plan.storage_data.prefix}0{DATA_SUFFIX}"
-                file = RankFile(name, plan, planner, where=f"{self.checkpoint_id}/{name}")
-                results = file.results
-                previous = getattr(plan.storage_data, "previous", None)
-                entries = self.store.stage_files(
-                    self.step, [file.source()], kind=KIND_DIRECTORY, previous=previous
-                )
-            staged = _Staged(self.rank, tuple(entries))
-        except Exception as e:
-            log.exception("rank %d could not stage step %d", self.rank, self.step)
-            results, staged = [], _Staged(self.rank, (), describe(e))
+        results: list[WriteResult] = []
+
+        def stage() -> list[FileEntry]:
+            if not plan.items:
+                return []
+            name = f"{plan.storage_data.prefix}0{DATA_SUFFIX}"
+            file = RankFile(name, plan, planner, where=f"{self.checkpoint_id}/{name}")
+            entries = self.store.stage_files(
+                self.step, [file.source()], plan=plan.storage_data.plan
+            )
+            results.extend(file.results)
+            return entries
+
+        staged = Staged.of(self.rank, stage)
         results.append(WriteResult(index=_MARKER, size_in_bytes=0, storage_data=staged))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: commit the step if every rank staged its file, else discard it."""
-        staged = [r.storage_data for rs in results for r in rs if r.index == _MARKER]
-        failures = {s.rank: s.error for s in staged if s.error is not None}
-        if failures:
-            self.store.discard(self.step)
-            listed = "; ".join(f"rank {r}: {text}" for r, text in sorted(failures.items()))
-            raise DistributedCheckpointError(
-                f"step {self.step} was not saved (nothing committed, staged files discarded): "
-                f"{listed}",
-                failures,
-            )
+        """Coordinator: stage DCP's ``.metadata``, then conclude the coordinated save:
+        commit if every rank staged its file, else discard the step and raise."""
+        coordinator = self._coordinator
+        if coordinator is None:
+            raise CheckpointError("finish before prepare_global_plan on the coordinator")
+        staged: list[Staged] = [r.storage_data for rs in results for r in rs if r.index == _MARKER]
+        if any(s.error is not None for s in staged):
+            coordinator.conclude(staged)  # discards and raises, naming every failure
         metadata.version = DCP_VERSION
         metadata.storage_data = {
             r.index: r.storage_data for rs in results for r in rs if r.index != _MARKER
         }
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
-        entries = [entry for s in staged for entry in s.entries]
-        try:
-            source = SourceFile(METADATA_FILE, lambda: iter((blob,)), len(blob))
-            previous = self._previous.among([METADATA_FILE]) if self._previous else None
-            entries += self.store.stage_files(
-                self.step, [source], kind=KIND_DIRECTORY, previous=previous
-            )
-        except BaseException:
-            self.store.discard(self.step)
-            raise
-        self.store.commit_files(
-            self.step,
-            entries,
-            kind=KIND_DIRECTORY,
-            metadata=self.metadata,
-            world_size=len(results),
+        source = SourceFile(METADATA_FILE, lambda: iter((blob,)), len(blob))
+        plan = coordinator.plan.among([METADATA_FILE])
+        staged.append(
+            Staged.of("coordinator", lambda: self.store.stage_files(self.step, [source], plan=plan))
         )
+        coordinator.conclude(staged, world_size=len(results))
 
 
 class CkptStoreReader(StorageReader):
@@ -298,15 +266,22 @@ class CkptStoreReader(StorageReader):
         return metadata
 
     def _resolve(self) -> tuple[CheckpointInfo, bytes]:
-        """The step to load and its verified ``.metadata``, the same on every rank."""
+        """The step to load and its verified ``.metadata``, the same on every rank: rank 0
+        asks the store's resolver (resolver.py), falling back past a step whose manifest or
+        ``.metadata`` fails verification."""
+
+        def read(info: CheckpointInfo) -> bytes:
+            return _read_metadata_file(self.store, info)
+
         if self.step is not None:
-            info = self.store.info(self.step)
-            return info, _read_metadata_file(self.store, info)
+            found = self.store.resolver.resolve(self.step, False, read)
+            return found.info, found.value
         comm = Collectives(self.group)
         chosen: tuple[CheckpointInfo, bytes] | CheckpointError | None = None
         if comm.rank == 0:
             try:
-                chosen = _pick_latest(self.store)
+                found = self.store.resolver.resolve(None, True, read)
+                chosen = found.info, found.value
             except CheckpointError as e:
                 chosen = e
         chosen = comm.broadcast(chosen)  # with the verified bytes: one read, not one per rank
@@ -371,30 +346,6 @@ class CkptStoreReader(StorageReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(item, target)
-
-
-def _pick_latest(store: CheckpointStore) -> tuple[CheckpointInfo, bytes]:
-    """Latest, or the newest older step whose manifest and ``.metadata`` verify."""
-    latest = store.latest()
-    if latest is None:
-        raise NotFoundError(
-            f"{store.uri} holds no committed step: nothing to resume from. Check the URI "
-            "(and endpoint), or save a step first"
-        )
-    candidates = [latest]
-    failures: list[str] = []
-    while candidates:
-        info = candidates.pop(0)
-        try:
-            return info, _read_metadata_file(store, info)
-        except (CorruptCheckpointError, IncompleteCheckpointError) as e:
-            log.warning("step %d failed verification (%s); trying an older step", info.step, e)
-            failures.append(f"step {info.step}: {e}")
-        if info is latest:
-            candidates = [i for i in reversed(store.list()) if i.step < latest.step]
-    raise CorruptCheckpointError(
-        f"{store.uri}: no committed step passed verification:\n  " + "\n  ".join(failures)
-    )
 
 
 def _read_metadata_file(store: CheckpointStore, info: CheckpointInfo) -> bytes:

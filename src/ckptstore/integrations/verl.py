@@ -36,12 +36,18 @@ import os
 import sys
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata as importlib_metadata
 from typing import Any
 
 from ckptstore import layout
-from ckptstore.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from ckptstore.errors import (
+    CheckpointError,
+    CompatibilityError,
+    ConfigError,
+    CorruptCheckpointError,
+    NotFoundError,
+)
 from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.verl_config import (
     SECTION,
@@ -185,23 +191,21 @@ def commit_step(
     metadata: Mapping[str, Any] | None = None,
     world_size: int | None = None,
 ) -> CheckpointInfo:
-    """Commit ``global_step_<step>`` as held by the nodes of ``fleet``; nothing on failure."""
-    store.hold_lease()
+    """Commit ``global_step_<step>`` as held by the nodes of ``fleet``: the coordinated save
+    (coordination.py) with the driver as coordinator and one participant per node; nothing
+    committed on failure."""
+    coordinator = store.begin_save(step, kind=KIND_DIRECTORY, metadata=metadata)
     nodes = fleet.nodes()
-    plan = assign_files(fleet.call("list_step", {n: (step,) for n in nodes}), step)
-    check_complete([p for paths in plan.values() for p in paths], step)
-    previous = store.previous()  # read once here, not by every node
+    shares = assign_files(fleet.call("list_step", {n: (step,) for n in nodes}), step)
+    check_complete([p for paths in shares.values() for p in paths], step)
+    work = {n: (coordinator.plan.among(paths), paths) for n, paths in shares.items() if paths}
     try:
-        staged = fleet.call(
-            "stage", {n: (step, paths, previous.among(paths)) for n, paths in plan.items() if paths}
-        )
-    except BaseException:
-        store.discard(step)
+        reports = fleet.call("stage", work)
+    except BaseException:  # a node's agent died: the others' files must not stay
+        coordinator.discard()
         raise
-    entries = [e for node in sorted(staged) for e in staged[node]]
-    return store.commit_files(
-        step, entries, kind=KIND_DIRECTORY, metadata=metadata, world_size=world_size
-    )
+    named = [replace(report, participant=f"node {node}") for node, report in reports.items()]
+    return coordinator.conclude(named, world_size=world_size, coordinator="the driver")
 
 
 def prepare_resume(
@@ -243,7 +247,13 @@ def _prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) ->
         )
     driver = fleet.driver
     local = fleet.call("tracked_step", {driver: ()})[driver]
-    latest = store.latest()  # raises on anything but an empty store
+    try:
+        latest = store.latest()  # the resolver (resolver.py): None only for an empty store
+    except (CorruptCheckpointError, CompatibilityError) as e:
+        if local is None:
+            raise  # never a silent start from step 0
+        log.warning("%s; resuming from local step %d", e, local)
+        latest = None
     if latest is None:
         if local is None:
             log.info(
@@ -252,25 +262,20 @@ def _prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) ->
                 run.local_dir,
             )
             return Resume(None, "scratch")
-        log.warning("%s is empty; resuming from local step %d", store.uri, local)
         return Resume(local, "local")
-    committed = [latest.step] + [i.step for i in reversed(store.list()) if i.step < latest.step]
-    newer = [s for s in committed if local is None or s > local]
-    step, skipped, source = local, tuple(newer), "local"
-    if newer:
-        try:
-            step = fleet.call("pull", {driver: (newer,)})[driver]
-            skipped, source = tuple(s for s in newer if s > step), "store"
-        except CorruptCheckpointError:
-            if local is None:
-                raise  # never a silent start from step 0
-            log.warning(
-                "no step of %s newer than local step %d verifies; resuming from it",
-                store.uri,
-                local,
-            )
+    step, skipped, source = local, (), "local"
+    try:  # the driver's node pulls the step the resolver picks, newer than the local one
+        step, skipped = fleet.call("pull_newest", {driver: (local,)})[driver]
+        source = "store"
+    except NotFoundError:
+        log.info("%s holds no step newer than local step %s; resuming from it", store.uri, local)
+    except (CorruptCheckpointError, CompatibilityError) as e:
+        if local is None:
+            raise  # never a silent start from step 0
+        log.warning("no step of %s newer than local step %d loads (%s); resuming from it",
+                    store.uri, local, e)  # fmt: skip
     others = [n for n in fleet.nodes() if n != driver]
-    pulled = step is not None and (source == "store" or step in committed)
+    pulled = step is not None and (source == "store" or _committed(store, step))
     if pulled:
         fleet.call("sync", {n: (step,) for n in others})
     resharded = _reshard(fleet, run, step) if step is not None else None
@@ -286,6 +291,14 @@ def _prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) ->
         )
     log.info("ckptstore: verl resumes from step %s (%s)", step, source)
     return Resume(step, source, skipped, resharded)
+
+
+def _committed(store: CheckpointStore, step: int) -> bool:
+    try:
+        store.info(step)
+    except NotFoundError:
+        return False
+    return True
 
 
 def _reshard(fleet: Fleet, run: VerlRun, step: int) -> int | None:

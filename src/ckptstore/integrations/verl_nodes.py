@@ -11,8 +11,10 @@ storage no single process can read all of them, so the work is split:
   (:func:`check_complete`), has every agent stage its share, and commits one manifest only
   after every agent reported. A failing or missing node means no commit.
 
-Resuming runs the other way: the driver's node pulls the step first, with fallback to older
-good steps, then every other node pulls that same step, so all ranks load one step.
+It is the coordinated save (coordination.py) with the driver as coordinator and one
+participant per node. Resuming runs the other way: the driver's node pulls the step the
+store's resolver picks (resolver.py: latest, falling back past steps that fail verification),
+then every other node pulls that same step, so all ranks load one step.
 
 Pulls land in a temporary directory beside the step directory and are renamed into place, so
 an interrupted pull never leaves a ``global_step_N`` that verl would take for a checkpoint.
@@ -30,16 +32,16 @@ from typing import Any, Protocol
 
 from ckptstore import layout
 from ckptstore.backends.fsutil import TMP_PREFIX, atomic_write, temp_name
-from ckptstore.commit import Previous
+from ckptstore.coordination import Plan, Staged
 from ckptstore.errors import (
     BackendError,
     CheckpointError,
     ConfigError,
     ConflictError,
-    CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ckptstore.manifest import KIND_DIRECTORY, FileEntry
+from ckptstore.info import CheckpointInfo
+from ckptstore.manifest import FileEntry
 from ckptstore.payload import SourceFile, iter_file
 from ckptstore.store import CheckpointStore
 
@@ -87,41 +89,26 @@ class NodeAgent:
             return []
         return [(rel, size) for rel, size, _ in _scan(root)]
 
-    def stage(
-        self, step: int, paths: Sequence[str], previous: Previous | None = None
-    ) -> list[FileEntry]:
-        """Upload this node's share of ``step`` (uncommitted); returns the manifest entries.
+    def stage(self, plan: Plan, paths: Sequence[str]) -> Staged:
+        """Upload this node's share of the step (uncommitted) with the driver's ``plan``
+        (cut to ``paths``); the report for the driver (which names the node), never raising."""
 
-        ``previous``: the driver's one read of the previous step, cut to ``paths``
-        (``store.previous().among(paths)``); None: the agent reads
-        ``latest`` and the whole previous manifest itself."""
-        if not paths:
-            return []
-        root = self.step_dir(step)
-        files = []
-        for rel in paths:
-            path = root / rel
-            files.append(SourceFile(rel, _reader(path), path.stat().st_size))
-        return self.store.stage_files(step, files, kind=KIND_DIRECTORY, previous=previous)
+        def stage() -> list[FileEntry]:
+            root = self.step_dir(plan.step)
+            files = []
+            for rel in paths:
+                path = root / rel
+                files.append(SourceFile(rel, _reader(path), path.stat().st_size))
+            return self.store.stage_files(plan.step, files, plan=plan)
 
-    def pull(self, steps: Sequence[int]) -> int:
-        """Pull the first of ``steps`` that passes verification into ``global_step_N``.
+        return Staged.of("node", stage)
 
-        A step that fails verification is skipped with a warning for the next one; if none
-        passes, CorruptCheckpointError lists why. Returns the step pulled.
-        """
-        failures: list[str] = []
-        for step in steps:
-            try:
-                self._pull_one(step)
-                return step
-            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
-                log.warning("step %d failed verification (%s); trying an older step", step, e)
-                failures.append(f"step {step}: {e}")
-        raise CorruptCheckpointError(
-            f"{self.store.uri}: no committed step passed verification:\n  " + "\n  ".join(failures),
-            uri=self.store.uri,
-        )
+    def pull_newest(self, newer_than: int | None) -> tuple[int, tuple[int, ...]]:
+        """Pull the step the store's resolver picks (latest, falling back past steps that
+        fail verification; only steps above ``newer_than``) into ``global_step_N``. Returns
+        it and the newer steps skipped; NotFoundError when there is none (resolver.py)."""
+        found = self.store.resolver.resolve(None, True, self._pull_one, newer_than=newer_than)
+        return found.info.step, found.skipped
 
     def sync(self, step: int) -> bool:
         """Make sure this node holds the whole committed ``step``; pull it if any file is
@@ -133,7 +120,8 @@ class NodeAgent:
         self._pull_one(step)
         return True
 
-    def _pull_one(self, step: int) -> None:
+    def _pull_one(self, info: CheckpointInfo | int) -> None:
+        step = info if isinstance(info, int) else info.step
         self.local_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.local_dir / temp_name(f"pull-{step}")
         try:

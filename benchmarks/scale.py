@@ -2,12 +2,11 @@
 
 What is real: every request. Each simulated rank stages its files through the public multi-process
 API (``CheckpointStore.stage_files``) with a store and an S3 client of its own, as a rank process
-would; one coordinator holds the writer lease, reads ``latest`` and the previous manifest once
-and hands each rank its own entries (``stage_files(previous=...)``, as ``save_distributed``
-does), commits every rank's entries (``commit_files``), then each rank reads its own files back
-verified (``read_file``). ``SaveConfig(coordinated=False)`` plays the older path, where each
-rank read the pointer and the whole previous manifest itself, for comparison. Requests go
-over HTTP through the fault proxy's throttle (throttle.py) to moto.
+would; one coordinator begins the coordinated save (``begin_save``: the writer lease, one read of
+``latest`` and the previous manifest) and hands each rank its cut of the plan
+(``stage_files(plan=...)``, as ``save_distributed`` does), commits every rank's entries, then
+each rank reads its own files back verified (``read_file``). Requests go over HTTP through the
+fault proxy's throttle (ckptstore.testing.throttle) to moto.
 
 What is modelled: the ranks are played by a pool of ``workers`` threads, each holding one store
 and playing one rank after another, so at most ``workers`` ranks are in flight (a real job has
@@ -18,7 +17,7 @@ ones counted here); S3's limit is the throttle's model, at S3's rates divided by
 
 Each phase reports its wall time, its requests by S3 operation and the SlowDown answers among
 them, and the lower bound the limit puts on it (requests / rate, past the first burst).
-``python -m ckptstore.testing.scale --help`` (``scripts/bench-scale``) runs it and prints tables.
+``python benchmarks/scale.py --help`` (``scripts/bench-scale``) runs it and prints tables.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.commit import Previous
-from ckptstore.distributed import rank_dir, split_by_rank
+from ckptstore.coordination import Plan
+from ckptstore.distributed import rank_dir
 from ckptstore.errors import CheckpointError
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry, Manifest
@@ -67,9 +66,6 @@ class SaveConfig:
     incremental: bool = True
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra S3 storage options for every store (``max_attempts``, ``max_concurrency``...)."""
-    coordinated: bool = True
-    """The coordinator reads the previous step once and hands each rank its entries; False:
-    every rank reads ``latest`` and the whole previous manifest itself (the older path)."""
 
     def __post_init__(self) -> None:
         if min(self.ranks, self.files, self.workers, self.steps) < 1 or self.file_size < 16:
@@ -115,40 +111,24 @@ PROBE = Counter({"PutObject": 5, "DeleteObjects": 1})
 """The capability probe (s3_probe.py: 5 PUTs with checksums on, then its object deleted): once
 per process that writes conditionally (the coordinator: the lease, the commit marker, ``latest``),
 never on a process that only stages payload."""
-FIRST_STAGE = Counter({"HeadBucket": 1})
-"""A process's first stage on S3: the one HeadBucket that tells a missing bucket from a new
-step (the HEAD of the step's manifest answered 404)."""
 
 
 def stage_model(
     ranks: int,
     files: int,
     *,
-    processes: int,
-    incremental: bool = True,
-    previous: bool = False,
     unchanged: int = 0,
-    coordinated: bool = True,
 ) -> Counter[str]:
-    """The requests ``ranks`` ranks make to stage ``files`` small files each (one PUT apiece),
-    ``processes`` of them for the first time (a HeadBucket each). Per rank: a HEAD that the step
-    is not committed; the attempt marker and the files (``unchanged`` of them copied from the
-    ``previous`` step instead: a HEAD and a CopyObject each instead of a PUT). Nothing grows
-    with ranks: ``coordinated`` (``save_distributed``, the DCP writer, the harness), the
-    coordinator read ``latest`` and the previous manifest once and handed each rank its
-    entries. Not ``coordinated`` (``stage_files`` without ``previous=``), each rank also GETs
-    ``latest`` and, ``incremental`` with a ``previous`` step, that step's whole manifest."""
-    per_rank = Counter({"HeadObject": 1 + unchanged, "PutObject": 1 + files - unchanged})
+    """The requests ``ranks`` ranks make to stage ``files`` small files each (one PUT apiece):
+    per rank, the attempt marker and the files (``unchanged`` of them copied from the previous
+    step instead: a HEAD and a CopyObject each instead of a PUT), and nothing else. The
+    coordinator checked the step and read ``latest`` and the previous manifest once
+    (``begin_save``), and each rank's plan holds its own entries: no rank reads anything."""
+    per_rank = Counter({"PutObject": 1 + files - unchanged})
     if unchanged:
+        per_rank["HeadObject"] = unchanged
         per_rank["CopyObject"] = unchanged
-    if not coordinated:
-        per_rank["GetObject"] = 1 + int(incremental and previous)
-    total: Counter[str] = Counter()
-    for op, n in per_rank.items():
-        total[op] = n * ranks
-    for op, n in FIRST_STAGE.items():
-        total[op] += n * processes
-    return total
+    return Counter({op: n * ranks for op, n in per_rank.items()})
 
 
 def list_pages(ranks: int, files: int, page: int = 1000) -> int:
@@ -294,7 +274,7 @@ def _one_save(
     phases: list[Phase] = []
     failures: list[BaseException] = []
 
-    plans: list[Previous | None] = [None] * config.ranks
+    plans: list[Plan | None] = [None] * config.ranks
 
     def stage(rank: int) -> list[FileEntry] | None:
         files = [
@@ -305,28 +285,25 @@ def _one_save(
         ]
         try:
             entries: list[FileEntry] = ranks.store().stage_files(
-                step, files, kind=KIND_STATE, previous=plans[rank]
+                step, files, kind=KIND_STATE, plan=plans[rank]
             )
         except CheckpointError as e:  # what save_distributed would gather as this rank's error
             failures.append(e)
             return None
         return entries
 
-    with rig.phase("prepare (rank 0)", phases):
-        coordinator.hold_lease()
-        if config.coordinated:  # as save_distributed: read once, scatter each rank its part
-            plans[:] = split_by_rank(coordinator.previous(KIND_STATE), config.ranks)
+    with rig.phase("prepare (rank 0)", phases):  # as save_distributed: begin, cut the plan
+        save = coordinator.begin_save(step, kind=KIND_STATE)
+        plans[:] = save.plan.split([rank_dir(r) for r in range(config.ranks)])
     with rig.phase("stage (all ranks)", phases):
         reports = list(ranks.pool.map(stage, range(config.ranks)))
     if failures:  # as save_distributed does: discard, nothing committed
         with rig.phase("discard (rank 0)", phases):
-            coordinator.discard(step)
+            save.discard()
         return SaveReport(config, step, phases, 0, 0.0, 0, len(failures), str(failures[0]))
     entries = [entry for report in reports if report is not None for entry in report]
     with rig.phase("commit (rank 0)", phases):
-        info: CheckpointInfo = coordinator.commit_files(
-            step, entries, kind=KIND_STATE, world_size=config.ranks
-        )
+        info: CheckpointInfo = save.commit(entries, world_size=config.ranks)
     data = info.manifest.encode()
     peak, parse = _manifest_costs(entries, info.manifest, data)
 
@@ -357,9 +334,9 @@ class StepsRow:
 def seed_steps(rig: Rig, uri: str, steps: int, every: int) -> None:
     """``steps`` committed steps (manifests without payload, steps ``every``, 2 x ``every``...)
     written straight to the server, and ``latest`` at the last."""
-    from ckptstore import CheckpointStore, layout
-    from ckptstore.commit import Committer
+    from ckptstore import layout
     from ckptstore.environment import current_environment
+    from ckptstore.pointer import Pointer
 
     bucket, root = uri[len("s3://") :].split("/", 1)
     client = rig.server.client()
@@ -372,9 +349,8 @@ def seed_steps(rig: Rig, uri: str, steps: int, every: int) -> None:
 
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(put, range(1, steps + 1)))
-    direct = {**rig.server.storage_options()}
-    with CheckpointStore(uri, storage_options=direct, lease=False) as store:
-        Committer(store.backend, writer="seed").advance_latest(steps * every)
+    pointer = Pointer(steps * every, "seed", time.time())
+    client.put_object(Bucket=bucket, Key=f"{root}/{layout.LATEST_NAME}", Body=pointer.encode())
 
 
 def measure_steps(
@@ -493,11 +469,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--file-size", type=int, default=4096, help="bytes per file")
     parser.add_argument("--workers", type=int, default=16, help="threads playing the ranks")
     parser.add_argument("--saves", type=int, default=2, help="saves in a row (steps 1, 2...)")
-    parser.add_argument(
-        "--ranks-read-previous",
-        action="store_true",
-        help="the older path: each rank reads latest and the previous manifest itself",
-    )
     parser.add_argument("--big-ranks", type=int, default=16)
     parser.add_argument("--big-files", type=int, default=4)
     parser.add_argument("--big-file-mib", type=int, default=12, help="5 MiB parts: multipart")
@@ -527,13 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     with Rig(limit) as rig:
         if "save" in parts:
-            config = SaveConfig(
-                args.ranks, args.files, args.file_size, args.workers, args.saves,
-                coordinated=not args.ranks_read_previous,
-            )  # fmt: skip
+            config = SaveConfig(args.ranks, args.files, args.file_size, args.workers, args.saves)
             title = f"{args.ranks} ranks x {args.files} files of {args.file_size} B"
-            if args.ranks_read_previous:
-                title += " (each rank reads the previous step itself)"
             print(save_table(simulate_save(rig, config), title) + "\n", flush=True)
         if "big" in parts:
             size = args.big_file_mib << 20

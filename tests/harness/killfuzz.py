@@ -2,7 +2,7 @@
 
 ::
 
-    python -m ckptstore.testing.killfuzz --seed 1 --kills 13 --modes sync,async --targets local,s3
+    python -m harness.killfuzz --seed 1 --kills 13 --modes sync,async --targets local,s3
 
 (52 kills, as tests/test_killfuzz.py runs in CI; ``--kills 250`` is the long run, 1,000 kills,
 about half an hour on 2 cores.)
@@ -39,9 +39,9 @@ from typing import Any
 
 from ckptstore.errors import CheckpointError
 from ckptstore.store import CheckpointStore
-from ckptstore.testing.killcheck import Findings, LocalView, RawView, S3View, check
-from ckptstore.testing.killsaver import MiB, SaverJob, run_saver
 from ckptstore.testing.s3server import LocalS3Server
+from harness.killcheck import Findings, LocalView, RawView, S3View, check
+from harness.killsaver import MiB, SaverJob, run_saver
 
 MODES = ("sync", "async")
 TARGETS = ("local", "s3")
@@ -243,7 +243,7 @@ def _choices(value: str, allowed: tuple[str, ...]) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m ckptstore.testing.killfuzz",
+        prog="python -m harness.killfuzz",
         description="SIGKILL a saving trainer at random moments and check the store each time.",
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds kill moments and states")

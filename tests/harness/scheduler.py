@@ -1,7 +1,7 @@
 """Runs actors one at a time, handing the turn over at each call of a scheduled backend.
 
 The explorer (explore.py) runs the real committer, lease, retention and gc code as *actors*
-over :class:`~ckptstore.testing.scheduled_backend.ScheduledBackend`. Exactly one actor runs at a
+over :class:`~harness.scheduled_backend.ScheduledBackend`. Exactly one actor runs at a
 time: a backend call parks its actor, a chooser (the explorer) picks which actor goes next, and
 only then does the chosen operation run, atomically, under the scheduler's lock. What an actor
 does between two calls touches no storage, so the order of calls *is* the interleaving, and the

@@ -1,7 +1,7 @@
 """An in-memory backend whose every call is a scheduling point of the explorer's scheduler.
 
 :class:`ScheduledBackend` implements the whole Backend protocol over a dict, and hands each call
-to :meth:`~ckptstore.testing.scheduler.Scheduler.call`, which parks the calling actor until it
+to :meth:`~harness.scheduler.Scheduler.call`, which parks the calling actor until it
 is chosen and then runs the operation atomically, recording its effects (scheduler.py says why).
 
 ``delete`` of several paths is one atomic operation. Calls that touch no object
@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from ckptstore.backends.base import Capabilities, Chunk, ObjectInfo, PartialWrite
 from ckptstore.errors import NotFoundError, ObjectExistsError, PreconditionFailedError
-from ckptstore.testing.scheduler import Effect, Effects, Scheduler, Stored
+from harness.scheduler import Effect, Effects, Scheduler, Stored
 
 T = TypeVar("T")
 
@@ -51,6 +51,17 @@ class ScheduledBackend:
             return len(data), []
 
         return self._call("read_into", path, apply)
+
+    def read_into_chunks(
+        self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
+    ) -> int:
+        size = self.read_into(path, out)
+        on_chunk(out[: min(size, len(out))])
+        return size
+
+    @property
+    def parallel_writes(self) -> int:
+        return 1
 
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         def apply() -> tuple[tuple[bytes, str], Effects]:

@@ -2,10 +2,10 @@
 
 ::
 
-    python -m ckptstore.testing.explore [--preemptions K] [--crashes C] [--scenario NAME]
+    python -m harness.explore [--preemptions K] [--crashes C] [--scenario NAME]
 
 Tests that race threads hit a window by luck. Here the real committer, lease, retention and gc
-run as actors over :class:`~ckptstore.testing.scheduled_backend.ScheduledBackend`, where each
+run as actors over :class:`~harness.scheduled_backend.ScheduledBackend`, where each
 backend call parks its actor until the explorer picks who goes next. A schedule is the sequence
 of picks. The explorer enumerates a scenario's (scenarios.py) schedules depth first, replaying
 each one from scratch (fresh backend and stores, the scenario's setup restored), and checks the
@@ -40,9 +40,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.testing.invariants import READS, WRITES, Checker, Failure, Violation, short, trace
-from ckptstore.testing.scenarios import SCENARIOS, Scenario, World
-from ckptstore.testing.scheduler import (
+from harness.invariants import READS, WRITES, Checker, Failure, Violation, short, trace
+from harness.scenarios import SCENARIOS, Scenario, World
+from harness.scheduler import (
     Abandoned,
     Choice,
     Crashed,
@@ -256,7 +256,7 @@ def summary(results: Sequence[ScenarioResult]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ckptstore.testing.explore", description=__doc__.split("\n\n")[0]
+        prog="python -m harness.explore", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--preemptions", type=int, help="K (default: each scenario's CI bound)")
     parser.add_argument("--crashes", type=int, default=1, help="crashes per schedule (1)")

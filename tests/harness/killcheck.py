@@ -11,7 +11,8 @@ so a stray the store's own listings hide still counts. Rules, from DESIGN.md's i
   retention may delete it);
 * after ``gc(older_than=0)`` nothing is left but ``latest.json``, the lease, pins, lock files
   and the files of committed steps: no uncommitted step directory, no unlisted file, no
-  unfinished multipart upload.
+  unfinished multipart upload, and in a store that uses the writer lease no tombstone either
+  (a store without leases keeps gc's tombstones a day: nothing proves a committer dead).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ckptstore.backends.local import LOCK_PREFIX
 from ckptstore.errors import CheckpointError, NotFoundError
 from ckptstore.manifest import is_tombstone
 from ckptstore.pointer import Pointer
-from ckptstore.testing.killsaver import make_state, same_state
+from harness.killsaver import make_state, same_state
 
 
 class RawView(Protocol):
@@ -158,18 +159,23 @@ def strays(store: Any, raw: RawView) -> list[str]:
         keep.update(
             layout.attempt_marker_path(info.step, f.attempt) for f in info.files if f.attempt
         )
+    uses_lease = layout.LEASE_NAME in set(raw.files())
     found = []
     for path in raw.files():
         name = path.rsplit("/", 1)[-1]
         if path in keep or path.startswith(layout.PINS_DIR + "/") or name.startswith(LOCK_PREFIX):
             continue
-        if name == layout.MANIFEST_NAME and is_tombstone(store.backend.read(path)):
-            continue  # gc's own bookkeeping, which it removes after a day (commit.py)
+        if (
+            name == layout.MANIFEST_NAME
+            and not uses_lease
+            and is_tombstone(store.backend.read(path))
+        ):
+            continue  # a store without leases cannot prove a committer dead: kept a day
         found.append(f"stray file {path}")
     found += [
         f"uncommitted step directory {d}"
         for d in raw.step_dirs()
-        if _stray_dir(d, committed) and not _tombstoned(store, d)
+        if _stray_dir(d, committed) and (uses_lease or not _tombstoned(store, d))
     ]
     found += list(raw.uploads())
     return found

@@ -8,15 +8,14 @@ from explore.py, which only enumerates schedules, so adding a scenario touches n
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.store import CheckpointStore
-from ckptstore.testing.scheduled_backend import ScheduledBackend
-from ckptstore.testing.scheduler import Actor, Scheduler
+from harness.scheduled_backend import ScheduledBackend
+from harness.scheduler import Actor, Scheduler
 
 
 class World:
@@ -39,8 +38,7 @@ class World:
 
     def store(self, **options: Any) -> CheckpointStore:
         """A store on this backend and logical clock, with no lease heartbeat thread."""
-        if "lease_ttl" in _STORE_PARAMETERS:
-            options.setdefault("lease_ttl", math.inf)
+        options.setdefault("lease_ttl", math.inf)
         store = CheckpointStore(
             self.backend.uri, backend=self.backend, clock=self.scheduler.clock, **options
         )
@@ -62,7 +60,6 @@ class World:
         self.saver(store, step, state)()
 
 
-_STORE_PARAMETERS = inspect.signature(CheckpointStore).parameters
 _ENVIRONMENT: list[Any] = []
 
 

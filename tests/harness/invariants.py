@@ -24,8 +24,8 @@ from ckptstore import layout
 from ckptstore.checksum import Crc32c
 from ckptstore.errors import CheckpointError
 from ckptstore.manifest import FileEntry, Manifest
-from ckptstore.testing.scheduled_backend import ScheduledBackend
-from ckptstore.testing.scheduler import Effect, Event, Stored
+from harness.scheduled_backend import ScheduledBackend
+from harness.scheduler import Effect, Event, Stored
 
 INVARIANTS = {
     "committed-step-whole": "every file a committed manifest lists is present, size and CRC32C",

@@ -1,0 +1,341 @@
+"""The one coordinated save under every face: begin once, stage per participant, commit or
+discard once.
+
+A step may be written by one process (``store.save``, ``push_dir``), by the ranks of a
+torch.distributed job (distributed.py), by DCP's writers (integrations/dcp.py) or by one agent
+per node of a verl job (integrations/verl.py). All of them run this sequence, and only this
+module writes it:
+
+1. **begin**, on the coordinator: wait for this store's save in flight, take or renew the
+   writer lease, refuse a step that is committed (removing one a fenced writer committed) or
+   behind ``latest``, and read ``latest``'s manifest once. The result is a :class:`Plan`:
+   picklable, cut per participant (:meth:`Plan.only`, :meth:`Plan.among`,
+   :meth:`Plan.split`) so a participant reads neither the pointer nor the manifest, and its
+   cost does not grow with the number of participants (README "Scale").
+2. **stage**, on every participant (:func:`stage`): upload its files into an attempt
+   directory of its own, uncommitted. :meth:`Staged.of` runs it so that it never raises: a
+   failure travels to the coordinator as text, since a participant that skips a collective
+   hangs the others.
+3. **conclude**, on the coordinator: if any participant failed, discard every staged file and
+   raise one error naming each failure; else confirm the files, renew the lease (the fence
+   check), write the manifest create-only, move ``latest`` and apply retention.
+
+A failure before the manifest is written leaves nothing committed and removes the staged
+files; after it, the step is committed and the error says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ckptstore import layout
+from ckptstore.catalog import StepState
+from ckptstore.commit import Previous
+from ckptstore.errors import (
+    CheckpointError,
+    ConflictError,
+    DistributedCheckpointError,
+    NotFoundError,
+    StepBehindLatestError,
+)
+from ckptstore.info import CheckpointInfo, SaveStats
+from ckptstore.manifest import FileEntry, Manifest, check_metadata
+from ckptstore.payload import Progress, SourceFile
+
+if TYPE_CHECKING:
+    from ckptstore.background import Abandon
+    from ckptstore.saving import Saver
+
+log = logging.getLogger(__name__)
+
+NOT_SAVED = "was not saved (nothing committed, staged files discarded)"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a participant needs to stage its files of ``step``; sent by the coordinator."""
+
+    step: int
+    kind: str
+    epoch: int
+    """The writer lease epoch the coordinator holds (recorded in each attempt's marker)."""
+    previous: Previous
+    """``latest``'s step and the files of it this participant may copy instead of upload."""
+
+    def only(self, prefix: str) -> Plan:
+        """This plan with the previous files under ``prefix`` (a folder with its ``/``)."""
+        return replace(self, previous=self.previous.only(prefix))
+
+    def among(self, paths: Iterable[str]) -> Plan:
+        """This plan with the previous files of ``paths`` (a node's share)."""
+        return replace(self, previous=self.previous.among(paths))
+
+    def split(self, folders: Sequence[str]) -> list[Plan]:
+        """One plan per folder (``rank_00003``), each with the previous files under it, in one
+        pass over the previous step's files."""
+        index = {folder: i for i, folder in enumerate(folders)}
+        files: list[list[FileEntry]] = [[] for _ in folders]
+        for entry in self.previous.files:
+            i = index.get(entry.path.split("/", 1)[0])
+            if i is not None:
+                files[i].append(entry)
+        return [replace(self, previous=Previous(self.previous.step, tuple(f))) for f in files]
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One participant's report to the coordinator: its entries, or why it failed."""
+
+    participant: int | str
+    entries: tuple[FileEntry, ...] = ()
+    error: str | None = None
+
+    @classmethod
+    def of(cls, participant: int | str, stage: Callable[[], Iterable[FileEntry]]) -> Staged:
+        """Run ``stage``; never raises (the failure is logged and reported as text)."""
+        try:
+            return cls(participant, tuple(stage()))
+        except Exception as e:
+            return cls.failure(participant, e)
+
+    @classmethod
+    def failure(cls, participant: int | str, error: BaseException) -> Staged:
+        """The report of a participant whose staging raised ``error`` (logged here)."""
+        log.error("%s could not stage its files", _label(participant), exc_info=error)
+        return cls(participant, error=describe(error))
+
+
+def describe(error: BaseException) -> str:
+    """An error as one line of text, to send to other processes."""
+    return f"{type(error).__name__}: {error}"
+
+
+def stage(
+    saver: Saver, plan: Plan, files: Iterable[SourceFile], progress: Progress | None = None
+) -> list[FileEntry]:
+    """A participant's part: upload ``files`` into an attempt of their own, uncommitted.
+    Checks nothing the coordinator checked in :meth:`Coordinator.begin`."""
+    previous = plan.previous if saver.incremental else None
+    return saver.committer.write_payload(
+        plan.step, files, progress, previous=previous, epoch=plan.epoch
+    )
+
+
+@dataclass
+class Coordinator:
+    """One coordinated save of ``step`` into the saver's store (module docstring)."""
+
+    saver: Saver
+    step: int
+    kind: str
+    plan: Plan
+    metadata: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def begin(
+        cls,
+        saver: Saver,
+        step: int,
+        kind: str,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        allow_older: bool = False,
+    ) -> Coordinator:
+        """Step 1: everything checked and read once, before any participant uploads."""
+        started = time.perf_counter()
+        user_metadata = check_metadata(metadata)
+        saver.drain()
+        epoch = saver.hold_lease()
+        _check_step_is_free(saver, step)
+        latest_step, manifest = _latest_read(saver, kind)
+        if not allow_older:
+            check_not_behind(saver, step, latest_step)
+        previous = Previous.of(manifest, latest_step)
+        plan = Plan(step, kind, epoch, previous)
+        return cls(saver, step, kind, plan, user_metadata, started)
+
+    def stage_here(
+        self, files: Iterable[SourceFile], progress: Progress | None = None
+    ) -> list[FileEntry]:
+        """Stage files from the coordinator's own process (a single-process save)."""
+        return stage(self.saver, self.plan, files, progress)
+
+    def conclude(
+        self,
+        reports: Iterable[Staged],
+        *,
+        world_size: int | None = None,
+        coordinator: int | str = "the coordinator",
+    ) -> CheckpointInfo:
+        """Step 3 for many participants: commit if every one staged its files, else discard
+        the step. Every failure is a DistributedCheckpointError naming each participant's
+        error (the coordinator's own as ``coordinator``: rank 0, say) and what became of the
+        step."""
+        reports = list(reports)
+        failures = {r.participant: r.error for r in reports if r.error is not None}
+        if failures:
+            self.discard()
+            raise self._failed(failures, NOT_SAVED)
+        entries = [e for r in reports for e in r.entries]
+        try:
+            return self.commit(entries, world_size=world_size)
+        except Exception as e:
+            log.exception("%s could not commit step %d", _label(coordinator), self.step)
+            what = self._what_became(_label(coordinator))
+            raise self._failed({coordinator: describe(e)}, what) from e
+
+    def commit(
+        self,
+        entries: Iterable[FileEntry],
+        *,
+        world_size: int | None = None,
+        files_by_key: Mapping[str, tuple[str, ...]] | None = None,
+        blocked: float = 0.0,
+        abandon: Abandon | None = None,
+    ) -> CheckpointInfo:
+        """Step 3 with the entries in hand: confirm them, write the manifest, move
+        ``latest``, apply retention. Before the manifest, a failure removes the staged files
+        and is raised as it came."""
+        saver = self.saver
+        entries = tuple(entries)
+        environment = saver.environment()
+        if world_size is not None:
+            environment = replace(environment, world_size=world_size)
+        try:
+            saver.committer.confirm_payload(self.step, entries)
+            epoch = saver.hold_lease()  # renewing is the fence check: right before the commit
+            manifest = Manifest(
+                step=self.step,
+                created=saver.clock(),
+                kind=self.kind,
+                files=entries,
+                environment=environment,
+                writer=saver.committer.writer,
+                metadata=self.metadata,
+                lease_epoch=epoch,
+                files_by_key=dict(files_by_key) if files_by_key is not None else None,
+            )
+            if abandon is not None:
+                abandon.check()
+            manifest = saver.committer.commit(manifest)
+        except BaseException:
+            saver.remover.discard_attempts(self.step, {e.attempt for e in entries if e.attempt})
+            raise
+        saver.committer.advance_latest(self.step, epoch=epoch)
+        stats = SaveStats.of(manifest, time.perf_counter() - self.started, blocked)
+        saver.saved(stats)
+        return saver.catalog.info_of(manifest, stats)
+
+    def discard(self) -> None:
+        """Remove every staged file of the uncommitted step (never a committed one's). A
+        rival writer of the step, if any, fails to commit with a clear error meanwhile."""
+        self.saver.remover.discard_step(self.step)
+
+    def _what_became(self, coordinator: str) -> str:
+        try:
+            state = self.saver.catalog.state_of(self.step, fresh=True)
+        except CheckpointError:
+            return f"failed on {coordinator} and may be committed (see `ckptstore ls`)"
+        if not state.committed:
+            return NOT_SAVED
+        return f"is committed, but {coordinator} failed after committing it"
+
+    def _failed(self, failures: Mapping[int | str, str], what: str) -> DistributedCheckpointError:
+        listed = "; ".join(f"{_label(p)}: {text}" for p, text in _ordered(failures))
+        uri = self.saver.catalog.uri(layout.step_dir(self.step))
+        return DistributedCheckpointError(
+            f"step {self.step} {what}: {listed}",
+            failures,
+            uri=uri,
+            step=self.step,
+            path=layout.step_dir(self.step),
+        )
+
+
+def check_not_behind(saver: Saver, step: int, latest: int | None) -> None:
+    """Refuse a step older than ``latest``: nearly always a rerun that forgot to resume,
+    whose saves retention would delete right after committing them. A pointer ahead of every
+    committed step (its step deleted behind its back) is no reason to refuse:
+    ``advance_latest`` repairs it. A guard against mistakes, not a lock."""
+    if latest is None or step >= latest:
+        return
+    if saver.catalog.state_of(latest, fresh=True) is not StepState.COMMITTED:
+        return  # a pointer at a step deleted or unreadable: a resume fell back past it
+    raise StepBehindLatestError(
+        f"{saver.uri}: refusing to save step {step}: latest is step {latest}, so step "
+        f"{step} would commit behind it and retention could delete it at once; nothing "
+        "was uploaded. If this run continues the old one, resume first "
+        "(`store.load()`, or `ckptstore.integrations.training.resume()`) and save the "
+        "steps after it; to start afresh, save into a new URI; to add an older step on "
+        "purpose, pass allow_older=True (CLI: --allow-older; latest stays, retention applies "
+        "as usual)",
+        uri=saver.catalog.uri(layout.step_dir(step)),
+        path=layout.step_dir(step),
+        step=step,
+    )
+
+
+def _check_step_is_free(saver: Saver, step: int) -> None:
+    """Refuse a committed step before anything is uploaded; remove a step that a writer
+    fenced off by a lease takeover committed (pointer.py), since it is never loaded."""
+    catalog = saver.catalog
+    if catalog.backend.stat(layout.manifest_path(step)) is None:
+        return
+    try:
+        manifest: Manifest | None = catalog.read_manifest(step)
+    except NotFoundError:
+        return  # a tombstone: the step was removed, and may be saved anew (removal.py)
+    except CheckpointError:
+        manifest = None  # unreadable, but there: committed all the same
+    pointer = catalog.pointer_or_none()
+    if manifest is not None and pointer is not None and pointer.fenced(step, manifest.lease_epoch):
+        log.warning(
+            "%s: removing step %d, committed by %s after it lost the writer lease (epoch %d); "
+            "saving it anew",
+            saver.uri,
+            step,
+            manifest.writer,
+            manifest.lease_epoch,
+        )
+        saver.remover.uncommit(step)
+        return
+    raise ConflictError(
+        f"step {step} is already committed in {saver.uri}; committed steps are immutable. "
+        "Save under a new step, or `ckptstore rm` it first",
+        uri=catalog.uri(layout.step_dir(step)),
+        path=layout.step_dir(step),
+        step=step,
+    )
+
+
+def _latest_read(saver: Saver, kind: str) -> tuple[int | None, Manifest | None]:
+    """``latest``'s step, and (incremental, same kind) its manifest, whose unchanged files
+    the participants copy: one pointer read and one manifest read per save."""
+    pointer = saver.catalog.pointer_or_none()
+    if pointer is None or pointer.step is None:
+        return None, None
+    if not saver.incremental:
+        return pointer.step, None
+    try:
+        manifest = saver.catalog.read_manifest(pointer.step)  # fresh: its files are copied
+    except CheckpointError as e:
+        log.debug("no previous step to reuse files from: %s", e)
+        return pointer.step, None
+    return pointer.step, manifest if manifest.kind == kind else None
+
+
+def _label(participant: int | str) -> str:
+    return f"rank {participant}" if isinstance(participant, int) else str(participant)
+
+
+def _ordered(failures: Mapping[int | str, str]) -> list[tuple[int | str, str]]:
+    def key(item: tuple[int | str, str]) -> tuple[bool, int, str]:
+        who = item[0]
+        return (isinstance(who, str), who if isinstance(who, int) else 0, str(who))
+
+    return sorted(failures.items(), key=key)

@@ -1,0 +1,290 @@
+"""Which step a load starts from: the one resolver under every face.
+
+``store.load``, ``pull``, ``load_distributed``, the DCP reader and the verl resume all ask this
+module, so each rule below is written once:
+
+* Manifests are the truth and ``latest.json`` a fast path: the pointer's step, unless one
+  listing finds a newer committed step (a writer died between its commit and the pointer), or
+  a listing of every step when the pointer is missing or broken.
+* A step committed by a writer after it lost the lease (pointer.py) is never latest and never
+  a fallback; it loads only when asked for by number.
+* A manifest of a newer schema than this ckptstore reads is a CompatibilityError ("upgrade
+  ckptstore") wherever it would have been chosen: skipping it would resume an older step.
+* A step that fails verification is skipped with a warning for the newest older good one.
+* Only an empty store means "nothing to resume from" (NotFoundError). A store whose steps all
+  fail raises, counting the refused steps and saying why, so no job restarts from step 0
+  because of a wrong key or a corrupt bucket.
+
+A :class:`Search` is one resolution's candidates and failures. ``resolve`` runs it in this
+process; a multi-rank load runs the same Search on its coordinator and reports every rank's
+verdict on each offered step back into it (distributed.py).
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from ckptstore import layout
+from ckptstore.catalog import Catalog, fenced
+from ckptstore.errors import (
+    CheckpointError,
+    CompatibilityError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotFoundError,
+    UntrustedCheckpointError,
+)
+from ckptstore.info import CheckpointInfo
+from ckptstore.pointer import Pointer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+VERIFY_ERRORS = (CorruptCheckpointError, IncompleteCheckpointError)
+"""What makes a step fall back to an older one (UntrustedCheckpointError is a corruption)."""
+
+
+@dataclass(frozen=True)
+class Resolved(Generic[T]):
+    """What ``resolve`` found: the step, the action's result, and the newer steps skipped."""
+
+    info: CheckpointInfo
+    value: T
+    skipped: tuple[int, ...] = ()
+    """Steps newer than ``info`` that failed verification (a resume may replace them)."""
+
+
+class Resolver:
+    """Chooses steps to load from one store's catalog."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    @property
+    def uri(self) -> str:
+        return self.catalog.backend.uri
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed step a resume may start from (module docstring); ``None``
+        only when the store holds no committed step at all."""
+        pointer = None
+        try:
+            pointer, _ = self.catalog.read_pointer()
+            if pointer is not None and pointer.step is not None:
+                newer = self._committed_after(pointer)
+                return newer or self.catalog.info(pointer.step)
+        except (NotFoundError, CorruptCheckpointError) as e:
+            log.warning("%s: latest pointer is unusable (%s); falling back to listing", self.uri, e)
+        committed, broken = self.catalog.scan()
+        infos = [self.catalog.info_of(m) for m in committed]
+        readable = [i for i in infos if not fenced(pointer, i)]
+        newest = readable[-1].step if readable else -1
+        self._refuse_newer_schema({s: e for s, e in broken.items() if s > newest})
+        for step, error in broken.items():
+            log.warning("step %d has an unreadable manifest: %s", step, error)
+        if not readable and broken:
+            raise refusal(self.uri, broken, fenced_count=len(infos))
+        if readable and pointer is None:
+            log.warning(
+                "%s: no %s, but committed steps exist; using the newest, %d",
+                self.uri,
+                layout.LATEST_NAME,
+                newest,
+            )
+        return readable[-1] if readable else None
+
+    def _committed_after(self, pointer: Pointer) -> CheckpointInfo | None:
+        """The newest committed step past the pointer's, if any (one listing)."""
+        step = pointer.step if pointer.step is not None else -1
+        for newer in reversed([s for s in self.catalog.step_dirs() if s > step]):
+            try:
+                info = self.catalog.info(newer)
+            except NotFoundError:
+                continue  # a save in flight, or garbage for gc
+            except CorruptCheckpointError as e:  # CompatibilityError is raised: never skipped
+                log.warning("step %d has an unreadable manifest: %s", newer, e)
+                continue
+            if fenced(pointer, info):
+                log.warning(
+                    "%s: step %d was committed by %s after it lost the writer lease (epoch "
+                    "%d); ignoring it (ckptstore rm removes it)",
+                    self.uri,
+                    newer,
+                    info.manifest.writer,
+                    info.manifest.lease_epoch,
+                )
+                continue
+            log.warning(
+                "%s: %s is at step %d, but step %d is committed (its writer stopped before "
+                "moving the pointer); using %d",
+                self.uri,
+                layout.LATEST_NAME,
+                step,
+                newer,
+                newer,
+            )
+            return info
+        return None
+
+    def _refuse_newer_schema(self, broken: dict[int, CheckpointError]) -> None:
+        newest = [e for _, e in sorted(broken.items()) if isinstance(e, CompatibilityError)]
+        if newest:
+            raise newest[-1]
+
+    def search(
+        self, step: int | None = None, *, fallback: bool = True, newer_than: int | None = None
+    ) -> Search:
+        """The candidates for loading ``step`` (one), or latest then, with ``fallback``, the
+        older good steps; only steps above ``newer_than`` when given."""
+        return Search(self, step, fallback=fallback, newer_than=newer_than)
+
+    def resolve(
+        self,
+        step: int | None,
+        fallback: bool,
+        action: Callable[[CheckpointInfo], T],
+        *,
+        newer_than: int | None = None,
+    ) -> Resolved[T]:
+        """Run ``action`` on the chosen step; on a verification failure, on the next
+        candidate. Raises :meth:`Search.exhausted`'s error when none is left."""
+        search = self.search(step, fallback=fallback, newer_than=newer_than)
+        while (info := search.next()) is not None:
+            try:
+                return Resolved(info, action(info), search.skipped)
+            except VERIFY_ERRORS as e:
+                search.failed(info, e)
+        raise search.exhausted()
+
+    def older(self, than: int, pointer: Pointer | None) -> Iterator[CheckpointInfo]:
+        """Committed steps before ``than``, newest first, without fenced ones."""
+        for info in reversed(self.catalog.list()):
+            if info.step < than and not fenced(pointer, info):
+                yield info
+
+    def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
+        """Committed steps (of ``infos``, default all) that a writer committed after it lost
+        the writer lease."""
+        pointer = self.catalog.pointer_or_none()
+        chosen = self.catalog.list() if infos is None else infos
+        return [i.step for i in chosen if fenced(pointer, i)]
+
+
+class Search:
+    """One resolution: candidates newest first, read only once needed, and what failed."""
+
+    def __init__(
+        self, resolver: Resolver, step: int | None, *, fallback: bool, newer_than: int | None
+    ) -> None:
+        self.resolver = resolver
+        self.explicit = step is not None
+        self.fallback = fallback and step is None
+        self.newer_than = newer_than
+        self._candidates = self._generate(step)
+        self._failures: dict[int, CheckpointError] = {}
+        self._offered = 0
+
+    def _generate(self, step: int | None) -> Iterator[CheckpointInfo]:
+        catalog = self.resolver.catalog
+        if step is not None:
+            yield catalog.info(layout.check_step(step))
+            return
+        latest = self.resolver.latest()
+        if latest is None or not self._wanted(latest.step):
+            return
+        yield latest
+        if self.fallback:
+            pointer = catalog.pointer_or_none()
+            for info in self.resolver.older(latest.step, pointer):
+                if not self._wanted(info.step):
+                    return
+                yield info
+
+    def _wanted(self, step: int) -> bool:
+        return self.newer_than is None or step > self.newer_than
+
+    def next(self) -> CheckpointInfo | None:
+        """The next step to try; None when no candidate is left (then :meth:`exhausted`)."""
+        if self._failures and not self.fallback:
+            return None
+        info = next(self._candidates, None)
+        if info is not None:
+            self._offered += 1
+        return info
+
+    def failed(self, info: CheckpointInfo, error: CheckpointError) -> None:
+        """``info`` failed verification; the search goes on with an older step (or, without
+        fallback, ends with this error)."""
+        self._failures[info.step] = error
+        if self.fallback:
+            log.warning("step %d failed verification (%s); trying an older step", info.step, error)
+
+    @property
+    def skipped(self) -> tuple[int, ...]:
+        """The steps that failed so far, newest first."""
+        return tuple(sorted(self._failures, reverse=True))
+
+    def exhausted(self) -> CheckpointError:
+        """The error that ends a search with no step left: the failure itself for one step;
+        NotFoundError when there was nothing to try (an empty store, or nothing newer than
+        ``newer_than``); else a count of the steps refused and why."""
+        uri = self.resolver.uri
+        if self._failures and not self.fallback:
+            return next(iter(self._failures.values()))
+        if not self._failures:
+            newer = f" newer than step {self.newer_than}" if self.newer_than is not None else ""
+            return NotFoundError(
+                f"{uri} holds no committed step{newer}: nothing to resume from. Check the URI "
+                "(and endpoint), or save a step first",
+                uri=uri,
+            )
+        return refusal(uri, self._failures)
+
+
+def refusal(
+    uri: str, failures: dict[int, CheckpointError], *, fenced_count: int = 0
+) -> CheckpointError:
+    """The error for a store whose committed steps were all refused: how many, and why,
+    grouped by reason. Its class is the refusals' common one (UntrustedCheckpointError when
+    every step is signed with another key or unsigned; CompatibilityError when every step is
+    of a newer schema), else CorruptCheckpointError."""
+    by_reason: dict[str, list[int]] = {}
+    for step, error in sorted(failures.items()):
+        by_reason.setdefault(_reason(error, uri), []).append(step)
+    reasons = "; ".join(
+        f"{reason} (step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))})"
+        for reason, steps in by_reason.items()
+    )
+    count = len(failures)
+    also = ""
+    if fenced_count:
+        also = f", and {fenced_count} committed by a writer that had lost the lease"
+    message = (
+        f"{uri}: no committed step passed verification; {count} step{'s' if count > 1 else ''} "
+        f"refused{also}: {reasons}. Nothing was loaded, and a resume must not start from "
+        "scratch here: fix the cause (signing key, ckptstore version, storage) or point the "
+        "job at another URI"
+    )
+    kinds = {type(e) for e in failures.values()}
+    cls: type[CheckpointError] = CorruptCheckpointError
+    for common in (UntrustedCheckpointError, CompatibilityError):
+        if all(issubclass(k, common) for k in kinds):
+            cls = common
+    return cls(message, uri=uri)
+
+
+def _reason(error: CheckpointError, uri: str) -> str:
+    """An error's message as a short reason, to the first ';': a manifest's refusal without
+    the manifest's URI (so that steps refused for one reason group), a file's with the file's
+    path in the store."""
+    text = str(error)
+    where = error.uri or ""
+    if where.endswith(layout.MANIFEST_NAME) and text.startswith(f"{where}: "):
+        text = text[len(where) + 2 :]
+    elif text.startswith(f"{uri}/"):
+        text = text[len(uri) + 1 :]
+    return text.split("; ", 1)[0].split("\n", 1)[0]

@@ -1,0 +1,26 @@
+"""Engine parts wired as a store wires them, for tests that drive one directly (a crashed or
+rival writer behind a store's back)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ckptstore.backends.base import Backend
+from ckptstore.catalog import Catalog
+from ckptstore.commit import Committer
+from ckptstore.removal import Remover
+from ckptstore.signing import Signer
+
+
+def committer_for(
+    backend: Backend,
+    *,
+    writer: str = "test",
+    clock: Callable[[], float] = time.time,
+    signer: Signer | None = None,
+) -> Committer:
+    """A Committer over ``backend`` with a catalog and remover of its own."""
+    catalog = Catalog(backend, signer=signer)
+    remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
+    return Committer(catalog, remover, writer=writer, clock=clock)
