@@ -30,11 +30,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptstore import layout
-from ckptstore.catalog import StepState
-from ckptstore.commit import Previous
+from ckptstore.catalog import Catalog, StepState
+from ckptstore.commit import Committer, Previous
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
@@ -43,16 +43,42 @@ from ckptstore.errors import (
     StepBehindLatestError,
 )
 from ckptstore.info import CheckpointInfo, SaveStats
-from ckptstore.manifest import FileEntry, Manifest, check_metadata
+from ckptstore.manifest import Environment, FileEntry, Manifest, check_metadata
 from ckptstore.payload import Progress, SourceFile
+from ckptstore.removal import Remover
 
 if TYPE_CHECKING:
     from ckptstore.background import Abandon
-    from ckptstore.saving import Saver
 
 log = logging.getLogger(__name__)
 
 NOT_SAVED = "was not saved (nothing committed, staged files discarded)"
+
+
+class Saver(Protocol):
+    """What a coordinated save needs of its store (saving.py's ``Saver`` has it)."""
+
+    catalog: Catalog
+    committer: Committer
+    remover: Remover
+    incremental: bool
+
+    @property
+    def uri(self) -> str: ...
+
+    def drain(self) -> None:
+        """Wait for the store's save in flight, raising its error."""
+        ...
+
+    def environment(self) -> Environment: ...
+
+    def clock(self) -> float: ...
+
+    def hold_lease(self) -> int: ...
+
+    def saved(self, stats: SaveStats) -> None:
+        """After a commit moved ``latest``: log, tell the observer, apply retention."""
+        ...
 
 
 @dataclass(frozen=True)

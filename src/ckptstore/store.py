@@ -11,41 +11,32 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-import socket
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ckptstore import layout
-from ckptstore.adoption import Adopter, ForeignStep
-from ckptstore.async_saving import AsyncSaver
+from ckptstore.adoption import ForeignStep
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
 from ckptstore.background import SaveHandle
 from ckptstore.catalog import Catalog
-from ckptstore.commit import Committer, Previous
+from ckptstore.commit import Previous
 from ckptstore.compat import check_compat
-from ckptstore.config import key_bytes, signing_key_from_env
 from ckptstore.coordination import Coordinator, Plan, stage
 from ckptstore.environment import current_environment, world_size
 from ckptstore.errors import ConfigError
 from ckptstore.garbage import GC_GRACE_SECONDS, GarbageCollector
 from ckptstore.info import CheckpointInfo, GcReport, Loaded, VerifyReport
-from ckptstore.lease import WriterLease
 from ckptstore.loading import download_step, load_state
-from ckptstore.maintenance import Maintenance
 from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry, check_metadata
 from ckptstore.observer import SaveObserver
 from ckptstore.options import StoreOptions
 from ckptstore.payload import Progress, SourceFile
-from ckptstore.pruning import Pins, Pruner
-from ckptstore.removal import Remover
 from ckptstore.resolver import Resolver
-from ckptstore.saving import Saver
-from ckptstore.signing import Signer
 from ckptstore.transfer import check_target
+from ckptstore.wiring import assemble
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -78,52 +69,24 @@ class CheckpointStore:
         if options is not None and kwargs:
             raise ConfigError(f"pass options= or keyword options, not both (got {sorted(kwargs)})")
         self.options = opts = options if options is not None else StoreOptions(**kwargs)
-        self.retention = opts.policy
-        self.compat = opts.compat
+        self.retention, self.compat, self.clock = opts.policy, opts.compat, clock
         self.backend = backend or open_backend(uri, opts.storage_options)
         self.uri = self.backend.uri
-        self.clock = clock
-        self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        key = key_bytes(opts.signing_key) if opts.signing_key is not None else None
-        key = key if key is not None else signing_key_from_env()
-        self.signer = Signer(key) if key is not None else None
-        self._catalog = catalog = Catalog(self.backend, signer=self.signer)
-        _refuse_step_directory(uri, catalog)
-        self._remover = Remover(self.backend, writer=self.writer, catalog=catalog, clock=clock)
-        self._committer = Committer(catalog, self._remover, writer=self.writer, clock=clock)
-        self._resolver = Resolver(catalog)
-        self._lease = self._open_lease(opts)
-        pins = Pins(self.backend)
-        self._pruner = Pruner(catalog, self._remover, self.retention, pins)
-        self._maintenance = Maintenance(
-            catalog, self._resolver, self._committer, self._remover, pins, self._pruner,
-            self.hold_lease,
-        )  # fmt: skip
-        self._async = AsyncSaver()
         self._environment: Environment | None = None
-        self._saver = Saver(
-            catalog, self._committer, self._remover, self._lease, self._pruner.after_save,
-            self._env, clock, opts.incremental, opts.shard_size, self._async.drain, observer,
+        parts = assemble(self.backend, opts, clock=clock, environment=self._env, observer=observer)
+        self.writer, self.signer = parts.writer, parts.signer
+        (self._catalog, self._remover, self._committer, self._resolver, self._lease,
+         self._pruner, self._maintenance, self._async, self._saver, self._adopter) = (
+            parts.catalog, parts.remover, parts.committer, parts.resolver, parts.lease,
+            parts.pruner, parts.maintenance, parts.in_flight, parts.saver, parts.adopter,
         )  # fmt: skip
-        self._adopter = Adopter(self._saver)
+        _refuse_step_directory(uri, self._catalog)
         self.last_loaded: CheckpointInfo | None = None
         """The step the last ``load`` returned (it may fall back past a corrupt latest)."""
-        if self._lease is not None and opts.takeover:
-            self._lease.hold()  # fence the old holder now, before this job loads anything
-
-    def _open_lease(self, opts: StoreOptions) -> WriterLease | None:
-        if not opts.lease:
-            return None
-        lease = WriterLease(
-            self.backend,
-            self.writer,
-            ttl=opts.lease_ttl,
-            takeover=opts.takeover,
-            clock=self.clock,
-            on_takeover=self._committer.stamp_latest,
-        )
-        lease.release_when_collected(self)  # a dropped store lets the lease go
-        return lease
+        if self._lease is not None:
+            self._lease.release_when_collected(self)  # a dropped store lets the lease go
+            if opts.takeover:
+                self._lease.hold()  # fence the old holder now, before this job loads anything
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, retention={self.retention})"
@@ -171,12 +134,9 @@ class CheckpointStore:
         allow_pickle: bool = False,
         allow_older: bool = False,
     ) -> CheckpointInfo:
-        """Write ``state`` as ``step``, commit it, move ``latest``, apply retention.
-
-        Waits for an async save in flight first. A step older than ``latest``'s is refused
-        (StepBehindLatestError) before anything is uploaded: a rerun that forgot to resume.
-        ``allow_older=True`` commits it anyway; ``latest`` stays.
-        """
+        """Write ``state`` as ``step``, commit it, move ``latest``, apply retention. A step
+        behind ``latest`` (a rerun that forgot to resume) is refused before any upload, unless
+        ``allow_older``."""
         step = layout.check_step(step)
         return self._saver.save(step, state, metadata, allow_pickle, allow_older=allow_older)
 
@@ -190,14 +150,9 @@ class CheckpointStore:
         allow_older: bool = False,
         overlap: bool | Optimizer | Iterable[Optimizer] = False,
     ) -> SaveHandle[CheckpointInfo]:
-        """Snapshot ``state`` and save it in the background; returns once the copy is made
-        (pinned host buffers for CUDA tensors, reused across saves).
-
-        One save is in flight at a time. ``overlap=optimizer`` copies that optimizer's
-        parameters and state in the background too (its next ``step()`` waits for what is
-        left); ``overlap=True`` defers every tensor until ``before_update()``. README
-        "Saving fast" has the details.
-        """
+        """Snapshot ``state`` and save it in the background, one save in flight at a time;
+        ``overlap=optimizer`` defers the copy of its tensors to its next ``step()``
+        (``overlap=True``: every tensor, until ``before_update()``). README "Saving fast"."""
         step = layout.check_step(step)
         return self._async.save_async(
             self._saver, step, state, metadata, allow_pickle, allow_older=allow_older,
@@ -233,8 +188,7 @@ class CheckpointStore:
         metadata: Mapping[str, Any] | None = None,
         progress: Progress | None = None,
     ) -> builtins.list[CheckpointInfo]:
-        """Commit in place step directories that ckptstore did not write (a run uploaded
-        with ``aws s3 sync``): ``step``'s, or every such directory, oldest first (adoption.py)."""
+        """Commit in place step directories ckptstore did not write (adoption.py)."""
         user_metadata = check_metadata(metadata)
         self._async.drain()
         return self._adopter.adopt(step, user_metadata, progress)
@@ -253,10 +207,8 @@ class CheckpointStore:
         metadata: Mapping[str, Any] | None = None,
         allow_older: bool = False,
     ) -> Coordinator:
-        """On the coordinator of a multi-process save: take the writer lease, refuse a
-        committed step or one behind ``latest``, read the previous step once. Hand each
-        participant its cut of ``.plan`` (``plan.split``/``only``/``among``), gather what
-        ``stage_files`` returns, then ``.commit(entries)`` or ``.conclude(reports)``."""
+        """Begin a multi-process save on its coordinator (coordination.py): hand each
+        participant its cut of ``.plan``, then ``.commit(entries)`` or ``.conclude(reports)``."""
         step = layout.check_step(step)
         return self._saver.begin(step, kind, metadata=metadata, allow_older=allow_older)
 
@@ -269,11 +221,8 @@ class CheckpointStore:
         kind: str = KIND_DIRECTORY,
         progress: Progress | None = None,
     ) -> builtins.list[FileEntry]:
-        """On a participant: upload files of ``step`` into an attempt of their own, without
-        committing; returns their entries for the coordinator. ``plan``: the coordinator's
-        (``begin_save``), whose previous files are copied instead of uploaded when
-        unchanged; without one nothing is reused. Open participants' stores with
-        ``lease=False``."""
+        """On a participant (its store opened with ``lease=False``): upload files of ``step``
+        uncommitted, reusing unchanged files the coordinator's ``plan`` names; the entries."""
         step = layout.check_step(step)
         if plan is None:
             epoch = self._lease.epoch or 0 if self._lease is not None else 0
@@ -330,8 +279,7 @@ class CheckpointStore:
         self._catalog.forget_all()
 
     def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
-        """Committed steps (of ``infos``, default all) that a writer committed after it lost
-        the writer lease: never returned by ``latest()``/``load()``; ``delete`` removes them."""
+        """Committed steps a writer committed after it lost the lease: never loaded as latest."""
         return self._resolver.fenced_steps(infos)
 
     @property
@@ -339,27 +287,14 @@ class CheckpointStore:
         """Which step a load starts from (resolver.py), for faces that load on many ranks."""
         return self._resolver
 
+    # fmt: off
     @overload
-    def load(
-        self,
-        step: int | None = None,
-        *,
-        fallback: bool = True,
-        allow_pickle: bool = False,
-        with_info: Literal[False] = False,
-        keys: Sequence[str] | None = None,
-    ) -> Any: ...
-
+    def load(self, step: int | None = None, *, fallback: bool = True, allow_pickle: bool = False,
+             with_info: Literal[False] = False, keys: Sequence[str] | None = None) -> Any: ...
     @overload
-    def load(
-        self,
-        step: int | None = None,
-        *,
-        fallback: bool = True,
-        allow_pickle: bool = False,
-        with_info: Literal[True],
-        keys: Sequence[str] | None = None,
-    ) -> Loaded: ...
+    def load(self, step: int | None = None, *, fallback: bool = True, allow_pickle: bool = False,
+             with_info: Literal[True], keys: Sequence[str] | None = None) -> Loaded: ...
+    # fmt: on
 
     def load(
         self,
@@ -371,9 +306,8 @@ class CheckpointStore:
         keys: Sequence[str] | None = None,
     ) -> Any:
         """The state saved as ``step`` (default: latest, falling back past steps that fail
-        verification, with a warning), every byte verified. ``with_info=True`` returns
-        :class:`~ckptstore.info.Loaded` (state and step together); ``keys=["model"]`` loads
-        only those parts of a dict state, reading only their files."""
+        verification), every byte verified. ``with_info=True``: a :class:`Loaded` (state and
+        step together); ``keys=["model"]``: only those parts, reading only their files."""
 
         def load(info: CheckpointInfo) -> Any:
             check_compat(info.manifest.environment, self._env(), mode=self.compat, where=info.uri)
@@ -399,19 +333,15 @@ class CheckpointStore:
         include: str | Sequence[str] = (),
         exclude: str | Sequence[str] = (),
     ) -> CheckpointInfo:
-        """Download a committed step's files into ``local_dir``, every byte verified; returns
-        the step's info. The files stream into a temporary directory beside it, renamed into
-        place once all are verified. A non-empty ``local_dir`` is refused unless ``force``
-        (merge) or ``delete`` (exact copy, like ``aws s3 sync --delete``); ``include`` and
-        ``exclude`` globs follow the aws CLI's rules (transfer.py)."""
+        """Download a committed step's files into ``local_dir``, verified (loading.py): whole
+        or not at all, ``force`` merges, ``delete`` makes an exact copy, ``include`` and
+        ``exclude`` select files as the aws CLI does."""
         target = Path(local_dir)
         check_target(target, force=force or delete)  # before any read
 
         def pull(info: CheckpointInfo) -> None:
-            download_step(
-                self._catalog, info, target, progress, force=force, delete=delete,
-                include=include, exclude=exclude,
-            )  # fmt: skip
+            download_step(self._catalog, info, target, progress, force=force, delete=delete,
+                          include=include, exclude=exclude)  # fmt: skip
 
         return self._resolver.resolve(step, fallback, pull).info
 

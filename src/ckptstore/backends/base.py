@@ -13,22 +13,15 @@ Three writes carry the commit protocol:
 * ``swap``: compare-and-swap against the version token ``read_versioned`` returned (``None``:
   the object must not exist). The ``latest`` pointer moves with it.
 
-:class:`Backend` is the protocol callers type against (structural, so a wrapper or a fake needs
-no base class). :class:`BaseBackend` is what a backend subclasses: it derives the convenience
-members from the essential ones, so a new backend implements ``uri``, ``capabilities``,
-``read``, ``read_versioned``, ``write``, ``stat``, ``list`` and ``delete``, plus ``create`` and
-``swap`` only where its server has conditional writes. Without them the base gives the one
-check-then-write fallback every such backend shares (create: check absent, write, read back
-and compare; swap: check the version, write, read back), serialized by a lock, so it is atomic
-against writers in this process only; the backend says so in its :class:`Capabilities` and the
-first such write warns once. A backend that has a cheaper version check or a write that returns
-its new version overrides :meth:`BaseBackend._is_current` or :meth:`BaseBackend._put_versioned`.
-
-:class:`BackendProxy` delegates every member to another backend, so a wrapper (fault
-injection, request counting) overrides only what it changes. Every capability is a declared
-member of the protocol (``read_into_chunks``, ``parallel_writes``): callers never look for
-one by ``getattr`` or ``isinstance``, so a proxied backend runs the same paths as the one it
-wraps, and the contract suite checks proxies too.
+:class:`Backend` is the protocol callers type against. :class:`BaseBackend` is what a backend
+subclasses: a new backend implements ``uri``, ``capabilities``, ``read``, ``read_versioned``,
+``write``, ``stat``, ``list`` and ``delete``, plus ``create`` and ``swap`` where its server has
+conditional writes. Without them the base gives the one check-then-write fallback (atomic
+against writers in this process only; the :class:`Capabilities` say so, the first such write
+warns once). :class:`BackendProxy` delegates every member, so a wrapper (fault injection,
+request counting) overrides only what it changes. Every capability is a declared member
+(``read_into_chunks``, ``parallel_writes``), never looked up by ``getattr``, so a proxied
+backend runs the same paths as the one it wraps; the contract suite checks proxies too.
 """
 
 from __future__ import annotations
@@ -111,11 +104,8 @@ class Backend(Protocol):
         ...
 
     def read_into(self, path: str, out: memoryview) -> int:
-        """Fill ``out`` with the object's first ``len(out)`` bytes; returns the object's size.
-
-        Loads allocate ``out`` once at the size the manifest promises and read straight into
-        it (in parallel ranges where the backend can), so a file is never copied twice.
-        """
+        """Fill ``out`` with the object's first ``len(out)`` bytes (in parallel ranges where
+        the backend can, so a file is never copied twice); returns the object's size."""
         ...
 
     def read_into_chunks(

@@ -1,0 +1,101 @@
+"""How one store's engines are built and connected: each gets what it uses, nothing builds its
+siblings, and the store (store.py) only holds them.
+
+::
+
+    backend ── Catalog (reads) ── Resolver (which step to load)
+           └── Remover (tombstone-first deletes) ── Committer (the commit protocol)
+           └── WriterLease (one writer at a time; fences latest on takeover)
+    Pins, Pruner (retention carried out), Maintenance (verify, delete, copy)
+    AsyncSaver (the save in flight) ── Saver (the coordinated save's store side) ── Adopter
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ckptstore.adoption import Adopter
+from ckptstore.async_saving import AsyncSaver
+from ckptstore.backends.base import Backend
+from ckptstore.catalog import Catalog
+from ckptstore.commit import Committer
+from ckptstore.config import key_bytes, signing_key_from_env
+from ckptstore.lease import WriterLease
+from ckptstore.maintenance import Maintenance
+from ckptstore.manifest import Environment
+from ckptstore.observer import SaveObserver
+from ckptstore.options import StoreOptions
+from ckptstore.pruning import Pins, Pruner
+from ckptstore.removal import Remover
+from ckptstore.resolver import Resolver
+from ckptstore.saving import Saver
+from ckptstore.signing import Signer
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The engines of one store."""
+
+    writer: str
+    """This writer's id, ``host:pid:random``: in manifests, the lease and tombstones."""
+    signer: Signer | None
+    catalog: Catalog
+    remover: Remover
+    committer: Committer
+    resolver: Resolver
+    lease: WriterLease | None
+    pruner: Pruner
+    maintenance: Maintenance
+    in_flight: AsyncSaver
+    saver: Saver
+    adopter: Adopter
+
+
+def assemble(
+    backend: Backend,
+    options: StoreOptions,
+    *,
+    clock: Callable[[], float],
+    environment: Callable[[], Environment],
+    observer: SaveObserver | None,
+) -> Parts:
+    """Build and connect the engines of a store over ``backend``."""
+    writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    key = key_bytes(options.signing_key) if options.signing_key is not None else None
+    key = key if key is not None else signing_key_from_env()
+    signer = Signer(key) if key is not None else None
+    catalog = Catalog(backend, signer=signer)
+    remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
+    committer = Committer(catalog, remover, writer=writer, clock=clock)
+    lease = None
+    if options.lease:
+        lease = WriterLease(
+            backend,
+            writer,
+            ttl=options.lease_ttl,
+            takeover=options.takeover,
+            clock=clock,
+            on_takeover=committer.stamp_latest,
+        )
+    hold = lease.hold if lease is not None else _no_lease
+    pins = Pins(backend)
+    pruner = Pruner(catalog, remover, options.policy, pins)
+    resolver = Resolver(catalog)
+    maintenance = Maintenance(catalog, resolver, committer, remover, pins, pruner, hold)
+    in_flight = AsyncSaver()
+    saver = Saver(
+        catalog, committer, remover, lease, pruner.after_save, environment, clock,
+        options.incremental, options.shard_size, in_flight.drain, observer,
+    )  # fmt: skip
+    return Parts(
+        writer, signer, catalog, remover, committer, resolver, lease, pruner, maintenance,
+        in_flight, saver, Adopter(saver),
+    )  # fmt: skip
+
+
+def _no_lease() -> int:
+    return 0
