@@ -9,14 +9,17 @@ finished first, so a training script that simply returns still commits its last 
 
 Waiting for that save at exit, or in ``close()`` while a Ctrl-C unwinds the script, says so on
 stderr (a silent pause reads as a hang) and offers a way out: a Ctrl-C during the wait abandons
-the save. Abandoning sets a flag the worker checks between chunks of payload and right before
-the commit marker, so it stops at the next chunk, removes its staged files and commits
-nothing; the process waits for that cleanup (a further Ctrl-C stops waiting, and ``gc`` removes
-what is left, since an attempt nobody commits is proven dead garbage once it is old).
+the save (the process then exits with status 130, never 0). Abandoning sets a flag the worker
+checks between chunks of payload and right before the commit marker, so it stops at the next
+chunk, removes its staged files and commits nothing; the process waits for that cleanup (a
+further Ctrl-C stops waiting, and ``gc`` removes what is left, since an attempt nobody commits
+is proven dead garbage once it is old).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -32,6 +35,8 @@ from ckptstore.errors import SaveAbandonedError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 WAKE_SECONDS = 0.1
+EXIT_INTERRUPTED = 130
+"""The exit status of a process whose pending save was abandoned (as for SIGINT)."""
 BACKGROUND_NICENESS = 10
 """How far below the caller a background save runs (nice steps; CFS then gives it about a
 tenth of a core that training wants, and any core training leaves idle)."""
@@ -181,9 +186,12 @@ class BackgroundSaver(Generic[T]):
             self.finish(interrupted=interrupted, at_exit=True)
             if not self._abandoned():
                 self.drain()
+                return
         except BaseException as e:  # nobody is left to raise to: say it loudly
             if not isinstance(e, SaveAbandonedError):
                 log.error("a save pending at exit failed: %s: %s", type(e).__name__, e)
+            return
+        _exit_interrupted()
 
     def finish(self, *, interrupted: bool, at_exit: bool = False) -> bool:
         """Wait for the save in flight. A wait the user did not ask for (at exit, or after a
@@ -233,6 +241,20 @@ class BackgroundSaver(Generic[T]):
                     idle = self._pending is None or self._pending.done()
                     self._executor.shutdown(wait=idle)
                     self._executor = None
+
+
+def _exit_interrupted() -> None:
+    """End a process whose pending save was abandoned at exit with status 130 (interrupted),
+    not the 0 of a script that returned: a scheduler must not take the run for a success.
+    The status of a returning script is fixed before this hook runs, so the exit hooks
+    (writer lease releases) run now, then the process exits."""
+    try:
+        atexit._run_exitfuncs()  # private, as threading._register_atexit: no public way
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(EXIT_INTERRUPTED)
 
 
 def yield_to_training() -> None:

@@ -1,8 +1,12 @@
 """The one place ckptstore reads its own environment variables.
 
-``CKPTSTORE_SIGNING_KEY``       manifest signing key (hex if it parses as hex, else its UTF-8)
-``CKPTSTORE_SIGNING_KEY_FILE``  a file holding the key (raw bytes; surrounding whitespace
-                                stripped), for secrets mounted as files
+``CKPTSTORE_SIGNING_KEY``       manifest signing key
+``CKPTSTORE_SIGNING_KEY_FILE``  a file holding the key, for secrets mounted as files
+
+One rule reads a key given as text, in the variable, in the file or as ``signing_key="..."``:
+surrounding whitespace is dropped, then text that is hex (``openssl rand -hex 32``) stands for
+the bytes it spells, and anything else is the key's bytes as they are. So the same text in
+the variable and in the file is the same key. ``signing_key=b"..."`` is the key as given.
 ``CKPTSTORE_GIT_COMMIT``        the training code's commit, recorded in manifests
                                 (environment.py also falls back to ``GIT_COMMIT``,
                                 ``GITHUB_SHA`` and git)
@@ -26,11 +30,11 @@ GIT_COMMIT_VARS = ("CKPTSTORE_GIT_COMMIT", "GIT_COMMIT", "GITHUB_SHA")
 def signing_key_from_env(environ: Mapping[str, str] = os.environ) -> bytes | None:
     """The signing key the environment provides, or None."""
     if environ.get(SIGNING_KEY):
-        return key_bytes(environ[SIGNING_KEY])
+        return text_key(environ[SIGNING_KEY].encode())
     if environ.get(SIGNING_KEY_FILE):
         path = Path(environ[SIGNING_KEY_FILE])
         try:
-            return path.read_bytes().strip()
+            return text_key(path.read_bytes())
         except OSError as e:
             raise ConfigError(
                 f"{SIGNING_KEY_FILE} names {path}, which cannot be read ({e.strerror}); "
@@ -41,13 +45,17 @@ def signing_key_from_env(environ: Mapping[str, str] = os.environ) -> bytes | Non
 
 
 def key_bytes(key: str | bytes) -> bytes:
-    """A key given as text: hex when it is hex, else its UTF-8 bytes."""
-    if isinstance(key, bytes):
-        return key
+    """The key of ``signing_key=``: bytes as given, text by :func:`text_key`."""
+    return key if isinstance(key, bytes) else text_key(key.encode())
+
+
+def text_key(text: bytes) -> bytes:
+    """The key a text stands for (the module docstring's one rule)."""
+    raw = text.strip()
     try:
-        return bytes.fromhex(key)
-    except ValueError:
-        return key.encode()
+        return bytes.fromhex(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return raw
 
 
 def git_commit_from_env(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -99,10 +99,25 @@ class VerifyReport:
 
     step: int
     problems: tuple[str, ...]
+    signature: str = "unsigned"
+    """``checked`` (signed, and this store's key verified it), ``unsigned``, or
+    ``not checked (no key)``: signed, but opened without the key, so an edited manifest
+    cannot be told from the original; ``ok`` is then about the bytes only."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+SIGNATURE_NOT_CHECKED = "not checked (no key)"
+
+
+def signature_status(manifest: Manifest, checked: bool) -> str:
+    """A manifest's signature as :class:`VerifyReport` tells it; ``checked``: the catalog
+    has a signing key (it refuses a manifest whose signature does not verify)."""
+    if checked:
+        return "checked"
+    return "unsigned" if manifest.signature is None else SIGNATURE_NOT_CHECKED
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
-from ckptstore.info import CheckpointInfo, VerifyReport
+from ckptstore.info import CheckpointInfo, VerifyReport, signature_status
 from ckptstore.manifest import FileEntry
 from ckptstore.payload import Progress
 from ckptstore.pruning import Pins, Pruner
@@ -71,7 +71,8 @@ class Maintenance:
                 self.catalog.read_verified(step, entry)
             except (CorruptCheckpointError, IncompleteCheckpointError) as e:
                 problems.append(str(e))
-        return VerifyReport(step, tuple(problems))
+        signature = signature_status(info.manifest, checked=self.catalog.signer is not None)
+        return VerifyReport(step, tuple(problems), signature)
 
     def verify_all(self) -> list[VerifyReport]:
         """``verify`` for every committed step, including those with unreadable manifests."""

@@ -26,7 +26,7 @@ from ckptstore.catalog import Catalog, StepState
 from ckptstore.errors import CheckpointError, ConfigError
 from ckptstore.manifest import Manifest
 from ckptstore.removal import Remover
-from ckptstore.retention import RetentionPolicy, StepRecord, steps_to_delete
+from ckptstore.retention import RetentionPolicy, StepRecord, metric_value, steps_to_delete
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,19 @@ class Pruner:
         committed, broken = self.catalog.scan()
         for step in broken:
             log.debug("retention leaves step %d alone: its manifest is unreadable", step)
-        return [record_of(m) for m in committed]
+        records = [record_of(m) for m in committed]
+        metric = self.policy.best_metric
+        if metric is not None and all(metric_value(r.metadata, metric) is None for r in records):
+            keys = sorted({k for r in records for k in r.metadata})
+            log.warning(
+                "%s: keep_best ranks steps by %r, but no step has a number for it in its "
+                "metadata (keys found: %s), so it keeps every step as unscored; check the "
+                "metric's name",
+                self.catalog.backend.uri,
+                metric,
+                ", ".join(keys) or "none",
+            )
+        return records
 
 
 def record_of(manifest: Manifest) -> StepRecord:

@@ -25,6 +25,7 @@ Filters (:func:`path_filter`) follow the aws CLI's ``--include``/``--exclude``.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -49,6 +50,8 @@ PULL_WORKERS = 8
 """Files a pull writes at once."""
 _SLOT_WAIT = 0.2
 """Seconds between looks at the stop flag while a read waits for a free chunk slot."""
+
+log = logging.getLogger(__name__)
 
 
 def scan_dir(root: Path) -> list[tuple[str, Path]]:
@@ -97,6 +100,13 @@ def path_filter(
     """
     includes = patterns(include)
     excludes = patterns(exclude)
+    if includes and not excludes:
+        log.warning(
+            "an include filter without an exclude selects every file (the aws CLI's rules: "
+            "includes only take back what an exclude left out); to pull only %s, exclude "
+            "everything first (--exclude '*' --include PATTERN)",
+            ", ".join(includes),
+        )
 
     def takes(path: str) -> bool:
         if any(fnmatchcase(path, p) for p in includes):

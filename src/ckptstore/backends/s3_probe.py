@@ -138,12 +138,13 @@ def capabilities(
     warn: Callable[[str, str], None],
 ) -> Capabilities:
     """What the backend may rely on after ``result``. Each lost guarantee goes to ``warn(topic,
-    message)`` (the backend warns once per topic); unverified checksums are only logged."""
+        message)`` (the backend warns once per topic); unverified checksums are only logged at INFO,
+    since loads verify every byte anyway (and a CLI run against a test server would repeat it)."""
     if result.unquoted_if_match:
         logger.info("%s accepts only unquoted ETags in If-Match; using those", where)
     for topic, message in lost_guarantees(result, where, checksums):
-        if topic == "checksums":  # no guarantee is lost: loads verify CRC32C anyway
-            logger.warning("%s", message)
+        if topic == "checksums":  # no guarantee is lost (loads verify CRC32C): not a warning
+            logger.info("%s", message)
         else:
             warn(topic, message)
     return Capabilities(

@@ -15,6 +15,7 @@ from ckptstore.backends.base import join
 from ckptstore.cli import discover
 from ckptstore.cli.common import (
     COUNT,
+    EXIT_UNCHECKED,
     EXIT_VERIFY,
     STEP,
     StepRef,
@@ -41,8 +42,10 @@ from ckptstore.cli.format import (
     steps_table,
     total_line,
 )
+from ckptstore.config import SIGNING_KEY, SIGNING_KEY_FILE
 from ckptstore.errors import ConflictError, NotFoundError
-from ckptstore.info import CheckpointInfo
+from ckptstore.info import SIGNATURE_NOT_CHECKED, CheckpointInfo, signature_status
+from ckptstore.retention import metric_value
 from ckptstore.store import CheckpointStore
 
 # -- reading commands ------------------------------------------------------------------------
@@ -78,6 +81,14 @@ def ls_command(
     fenced = store.fenced_steps(every)
     prune = store.prune(dry_run=True) if retention and every else None
     infos = order_steps(every[-last:] if last is not None else every, sort_by, reverse=reverse)
+    unscored = all(metric_value(i.metadata, sort_by or "") is None for i in every)
+    if sort_by is not None and every and unscored:
+        known = sorted({k for i in every for k in i.metadata})
+        click.echo(
+            f"warning: no step has a number for {sort_by!r} in its metadata, so --sort "
+            f"changed nothing; metadata keys found: {', '.join(known) or 'none'}",
+            err=True,
+        )
     records = [step_record(i, latest=latest, pins=pins, fenced=fenced, prune=prune) for i in infos]
     data: dict[str, Any] = {
         "uri": store.uri,
@@ -127,11 +138,22 @@ def show_command(ctx: click.Context, uri: str, step: StepRef) -> None:
     info = store.info(resolve_step(store, step))
     pinned = info.step in store.pins()
     manifest = json.loads(info.manifest.encode())
-    data = {"uri": info.uri, "latest": info.step == latest, "pinned": pinned, "manifest": manifest}
-    emit(ctx, data, lambda: _show_text(info, latest=info.step == latest, pinned=pinned))
+    signature = signature_status(info.manifest, checked=store.signer is not None)
+    data = {
+        "uri": info.uri,
+        "latest": info.step == latest,
+        "pinned": pinned,
+        "signature": signature,
+        "manifest": manifest,
+    }
+    emit(ctx, data, lambda: _show_text(info, latest=info.step == latest, pinned=pinned,
+                                       signature=signature))  # fmt: skip
+    if signature == SIGNATURE_NOT_CHECKED:
+        click.echo(_NO_KEY_HINT, err=True)
+        ctx.exit(EXIT_UNCHECKED)
 
 
-def _show_text(info: CheckpointInfo, *, latest: bool, pinned: bool) -> str:
+def _show_text(info: CheckpointInfo, *, latest: bool, pinned: bool, signature: str) -> str:
     m = info.manifest
     marks = [name for name, on in (("latest", latest), ("pinned", pinned)) if on]
     summary = [
@@ -142,6 +164,7 @@ def _show_text(info: CheckpointInfo, *, latest: bool, pinned: bool) -> str:
         ("size", f"{human_size(m.size)} ({m.size} bytes) in {plural(len(m.files), 'file')}"),
         ("writer", m.writer),
         ("schema", m.schema_version),
+        ("signature", "signed; " + signature if m.signature is not None else signature),
     ]
     files = [[f.path, human_size(f.size), f.crc32c] for f in m.files]
     meta = [(key, format_value(value)) for key, value in sorted(m.metadata.items())]
@@ -179,18 +202,36 @@ def verify_command(ctx: click.Context, uri: str, step: StepRef | None, all_steps
     if not reports:
         raise empty_store(store)
     ok = all(r.ok for r in reports)
+    unchecked = [r.step for r in reports if r.signature == SIGNATURE_NOT_CHECKED]
     data = {
         "uri": store.uri,
         "ok": ok,
-        "steps": [{"step": r.step, "ok": r.ok, "problems": list(r.problems)} for r in reports],
+        "signatures_checked": not unchecked,
+        "steps": [
+            {"step": r.step, "ok": r.ok, "signature": r.signature, "problems": list(r.problems)}
+            for r in reports
+        ],
     }
     lines = []
     for r in reports:
-        lines.append(f"step {r.step}: {'OK' if r.ok else 'FAILED'}")
+        verdict = "OK" if r.ok else "FAILED"
+        if r.signature == SIGNATURE_NOT_CHECKED:
+            verdict += " (bytes only: signed; signature not checked (no key))"
+        lines.append(f"step {r.step}: {verdict}")
         lines += [f"  {problem}" for problem in r.problems]
+    if unchecked:
+        lines.append(_NO_KEY_HINT)
     emit(ctx, data, "\n".join(lines))
     if not ok:
         ctx.exit(EXIT_VERIFY)
+    if unchecked:
+        ctx.exit(EXIT_UNCHECKED)
+
+
+_NO_KEY_HINT = (
+    "signed steps were verified without the key: an edited manifest would pass. Set "
+    f"{SIGNING_KEY} or {SIGNING_KEY_FILE} to check the signatures (exit {EXIT_UNCHECKED})"
+)
 
 
 # -- managing commands -----------------------------------------------------------------------
@@ -336,6 +377,8 @@ def gc_command(ctx: click.Context, uri: str, dry_run: bool, older_than: float) -
         "dry_run": dry_run,
         "deleted": list(report.deleted),
         "aborted_uploads": list(report.aborted_uploads),
+        "kept": [{"path": path, "why": report.why.get(path, "")} for path in report.kept],
+        "foreign": list(report.foreign),
     }
     verb = "would remove" if dry_run else "removed"
     lines = [
@@ -343,6 +386,15 @@ def gc_command(ctx: click.Context, uri: str, dry_run: bool, older_than: float) -
         f"{plural(len(report.aborted_uploads), 'upload')}"
     ]
     lines += [f"  {path}" for path in (*report.deleted, *report.aborted_uploads)]
+    if report.kept:
+        lines.append(f"kept {plural(len(report.kept), 'uncommitted attempt')} (may be live):")
+        lines += [f"  {path}: {report.why.get(path, '')}" for path in report.kept]
+    if report.foreign:
+        lines.append(
+            f"left {plural(len(report.foreign), 'foreign file')} that ckptstore did not write "
+            "(adopt them with `ckptstore adopt`, or remove them yourself):"
+        )
+        lines += [f"  {path}" for path in report.foreign]
     emit(ctx, data, "\n".join(lines))
 
 
