@@ -140,7 +140,7 @@ def test_config_from_omegaconf_with_interpolation(tmp_path: Path, uri: str) -> N
         ({}, "trainer.ckptstore.uri is required"),
         ({"uri": ""}, "trainer.ckptstore.uri must name the store"),
         ({"uri": "/x", "keep-last": 3}, r"unknown key\(s\) in trainer.ckptstore: keep-last"),
-        ({"uri": "/x", "keep_last": 0}, "keep_last must be a positive integer or null, got 0"),
+        ({"uri": "/x", "keep_last": 0}, "ckptstore.keep_last must be a positive integer"),
         ({"uri": "/x", "keep_last": "3"}, "keep_last must be a positive integer"),
         ({"uri": "/x", "keep_every": True}, "keep_every must be a positive integer"),
         ({"uri": "/x", "takeover": "yes"}, "takeover must be true or false"),

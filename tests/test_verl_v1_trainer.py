@@ -336,15 +336,18 @@ def test_lease_ttl_defaults_to_the_stores_and_may_be_infinite(tmp_path: Path) ->
     ("keys", "message"),
     [
         ({"keep_best": 0}, r"trainer\.ckptstore\.keep_best must be a positive integer"),
-        ({"keep_best": 2}, r"trainer\.ckptstore: keep_best needs best_metric"),
+        ({"keep_best": 2}, r"trainer\.ckptstore\.keep_best needs trainer\.ckptstore\.best_metric"),
         (
             {"keep_best": 2, "best_metric": "val_loss"},
-            r"trainer\.ckptstore: keep_best needs best_mode",
+            r"trainer\.ckptstore\.keep_best needs trainer\.ckptstore\.best_mode",
         ),
-        ({"best_metric": "val_loss", "best_mode": "min"}, "only apply with keep_best"),
+        (
+            {"best_metric": "val_loss", "best_mode": "min"},
+            r"only apply with trainer\.ckptstore\.keep_best",
+        ),
         ({"keep_best": 2, "best_metric": "", "best_mode": "min"}, "best_metric must be a"),
         ({"keep_best": 2, "best_metric": 3, "best_mode": "min"}, "best_metric must be a"),
-        ({"keep_best": 2, "best_metric": "acc", "best_mode": "high"}, "best_mode must be min"),
+        ({"keep_best": 2, "best_metric": "acc", "best_mode": "high"}, "best_mode must be 'min'"),
         ({"keep_every_seconds": 0}, r"trainer\.ckptstore\.keep_every_seconds must be a positive"),
         ({"keep_every_seconds": "1h"}, "keep_every_seconds must be a positive number"),
         ({"keep_every_seconds": math.inf}, "keep_every_seconds must be a positive number"),

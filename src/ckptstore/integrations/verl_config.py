@@ -8,31 +8,36 @@ access and ``Mapping`` are used, so reading the config needs neither omegaconf n
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 from ckptstore.errors import ConfigError
-from ckptstore.lease import DEFAULT_TTL
-from ckptstore.retention import BEST_MODES, RetentionPolicy
+from ckptstore.options import VERL, StoreOptions
 from ckptstore.store import CheckpointStore
 
 SECTION = "trainer.ckptstore"
 UPLOAD_MODES = ("auto", "driver", "per_node")
 
 
+STORE_KEYS = (
+    "keep_last", "keep_every", "keep_best", "best_metric", "best_mode", "keep_every_seconds",
+    "storage_options", "compat", "incremental", "lease", "takeover", "lease_ttl", "save_timeout",
+)  # fmt: skip
+"""The :class:`~ckptstore.options.StoreOptions` a verl config may set (policy objects and the
+signing key stay out of YAML: set the key in the environment)."""
+VERL_KEYS = ("uri", "resume", "upload", "prune_local")
+
+
 @dataclass(frozen=True)
 class VerlStoreConfig:
-    """The ``trainer.ckptstore`` section of a verl config (see docs/verl.md for an example)."""
+    """The ``trainer.ckptstore`` section of a verl config (see docs/verl.md for an example):
+    the integration's own keys, and the store's options (``settings.keep_last`` reads them)."""
 
     uri: str
-    keep_last: int | None = None
-    keep_every: int | None = None
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
-    takeover: bool = False
-    """Take the writer lease from a job that still holds it (a restart after preemption)."""
+    options: StoreOptions = field(default_factory=StoreOptions)
+    """The store's options, validated by the store's own rules, named as verl's keys."""
     resume: bool = True
     """Pull from the store before verl loads; False leaves resuming to verl alone."""
     upload: str = "auto"
@@ -40,42 +45,13 @@ class VerlStoreConfig:
     or ``auto``: per node when Ray runs on more than one node."""
     prune_local: bool = True
     """Delete local step directories beyond ``max_actor_ckpt_to_keep`` once committed."""
-    keep_best: int | None = None
-    """Also keep the N best steps by ``best_metric``, a number in each step's metadata."""
-    best_metric: str | None = None
-    best_mode: Literal["min", "max"] | None = None
-    keep_every_seconds: float | None = None
-    """Also keep one step per this many seconds of commit time."""
-    lease_ttl: float = DEFAULT_TTL
-    """Seconds before a dead driver's writer lease expires and a restart may take it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str) or not self.uri.strip():
             raise ConfigError(
                 f"{SECTION}.uri must name the store (like s3://bucket/run), got {self.uri!r}"
             )
-        self._check_types()
-        self._check_retention_and_lease()
-        self._check_store_rules()
-
-    def _check_types(self) -> None:
-        for name in ("keep_last", "keep_every", "keep_best"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ConfigError(
-                    f"{SECTION}.{name} must be a positive integer or null, got {value!r}",
-                    uri=self.uri,
-                )
-        if not isinstance(self.storage_options, Mapping) or not all(
-            isinstance(k, str) for k in self.storage_options
-        ):
-            raise ConfigError(
-                f"{SECTION}.storage_options must be a mapping of option names to values",
-                uri=self.uri,
-            )
-        for name in ("takeover", "resume", "prune_local"):
+        for name in ("resume", "prune_local"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"{SECTION}.{name} must be true or false, got {getattr(self, name)!r}",
@@ -87,49 +63,10 @@ class VerlStoreConfig:
                 uri=self.uri,
             )
 
-    def _check_retention_and_lease(self) -> None:
-        if self.best_metric is not None and (
-            not isinstance(self.best_metric, str) or not self.best_metric
-        ):
-            raise ConfigError(
-                f"{SECTION}.best_metric must be a metadata key (a non-empty string) or null, "
-                f"got {self.best_metric!r}",
-                uri=self.uri,
-            )
-        if self.best_mode is not None and self.best_mode not in BEST_MODES:
-            raise ConfigError(
-                f"{SECTION}.best_mode must be min (lower is better, a loss) or max (higher is "
-                f"better, an accuracy), got {self.best_mode!r}",
-                uri=self.uri,
-            )
-        seconds = self.keep_every_seconds
-        if seconds is not None and not (_is_number(seconds) and math.isfinite(seconds)):
-            raise ConfigError(
-                f"{SECTION}.keep_every_seconds must be a positive number of seconds or null, "
-                f"got {seconds!r}",
-                uri=self.uri,
-            )
-        if not _is_number(self.lease_ttl):
-            raise ConfigError(
-                f"{SECTION}.lease_ttl must be a positive number of seconds (.inf: never "
-                f"expires), got {self.lease_ttl!r}",
-                uri=self.uri,
-            )
-
-    def _check_store_rules(self) -> None:
-        """The rules between keys (keep_best needs best_metric and best_mode, ...) are the
-        store's own: ask it now, at start, and name the section in its message."""
-        try:
-            RetentionPolicy(
-                self.keep_last,
-                self.keep_every,
-                keep_best=self.keep_best,
-                best_metric=self.best_metric,
-                best_mode=self.best_mode,
-                keep_every_seconds=self.keep_every_seconds,
-            )
-        except ConfigError as e:
-            raise ConfigError(f"{SECTION}: {e}", uri=self.uri) from e
+    def __getattr__(self, name: str) -> Any:
+        if name in STORE_KEYS:  # settings.keep_last: the store option of that name
+            return getattr(self.options, name)
+        raise AttributeError(name)
 
     @classmethod
     def from_verl(cls, config: Any) -> VerlStoreConfig:
@@ -142,7 +79,7 @@ class VerlStoreConfig:
         values = _plain(section)
         if not isinstance(values, dict):
             raise ConfigError(f"{SECTION} must be a mapping of keys to values, got {values!r}")
-        known = [f.name for f in fields(cls)]
+        known = [*VERL_KEYS, *STORE_KEYS]
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ConfigError(
@@ -150,22 +87,16 @@ class VerlStoreConfig:
             )
         if "uri" not in values:
             raise ConfigError(f"{SECTION}.uri is required: the store's URI, like s3://bucket/run")
-        return cls(**values)
+        stored = {k: v for k, v in values.items() if k in STORE_KEYS}
+        try:
+            options = StoreOptions.from_mapping(stored, spelling=VERL)
+        except ConfigError as e:
+            raise e.add_context(uri=values["uri"]) from None
+        return cls(options=options, **{k: v for k, v in values.items() if k in VERL_KEYS})
 
     def open(self) -> CheckpointStore:
-        """The store with every retention rule and lease setting of the section."""
-        return CheckpointStore(
-            self.uri,
-            keep_last=self.keep_last,
-            keep_every=self.keep_every,
-            keep_best=self.keep_best,
-            best_metric=self.best_metric,
-            best_mode=self.best_mode,
-            keep_every_seconds=self.keep_every_seconds,
-            storage_options=self.storage_options,
-            takeover=self.takeover,
-            lease_ttl=self.lease_ttl,
-        )
+        """The store with every option of the section."""
+        return CheckpointStore(self.uri, options=self.options)
 
 
 @dataclass(frozen=True)
@@ -227,11 +158,6 @@ def config_set(config: Any, path: str, value: Any) -> None:
     for key in parents:
         node = node[key]
     node[last] = value
-
-
-def _is_number(value: object) -> bool:
-    """A positive int or float (YAML's ``.inf`` included), not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _plain(value: Any) -> Any:
