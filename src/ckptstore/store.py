@@ -29,6 +29,7 @@ from ckptstore.compat import check_compat, check_mode
 from ckptstore.config import key_bytes, signing_key_from_env
 from ckptstore.environment import current_environment, world_size
 from ckptstore.errors import CheckpointError
+from ckptstore.follow import DEFAULT_INTERVAL, wait_for_step
 from ckptstore.garbage import GC_GRACE_SECONDS, GarbageCollector
 from ckptstore.info import CheckpointInfo, GcReport, Loaded, VerifyReport
 from ckptstore.lease import DEFAULT_TTL, WriterLease, check_ttl
@@ -353,6 +354,18 @@ class CheckpointStore:
         """Forget the manifests this object has read (catalog.py), so the next listing reads
         them again: after another process removed a step whose directory is still there."""
         self._catalog.forget_all()
+
+    def wait_for_step(
+        self,
+        newer_than: int | None = None,
+        *,
+        timeout: float | None = None,
+        interval: float = DEFAULT_INTERVAL,
+    ) -> CheckpointInfo:
+        """Block until a step newer than ``newer_than`` (default: the latest now) is committed,
+        and return the newest such; one listing per poll, the pause growing from ``interval``
+        seconds (follow.py). WaitTimeoutError (a NotFoundError) after ``timeout`` seconds."""
+        return wait_for_step(self, newer_than, timeout=timeout, interval=interval)
 
     def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
         """Committed steps (of ``infos``, default all) that a writer committed after it lost

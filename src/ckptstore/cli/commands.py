@@ -7,6 +7,7 @@ Each is a thin face over one :class:`~ckptstore.store.CheckpointStore` method; t
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 import click
@@ -42,6 +43,7 @@ from ckptstore.cli.format import (
     total_line,
 )
 from ckptstore.errors import ConflictError, NotFoundError
+from ckptstore.export.records import ExportRecord, by_step, list_records
 from ckptstore.info import CheckpointInfo
 from ckptstore.store import CheckpointStore
 
@@ -79,6 +81,10 @@ def ls_command(
     prune = store.prune(dry_run=True) if retention and every else None
     infos = order_steps(every[-last:] if last is not None else every, sort_by, reverse=reverse)
     records = [step_record(i, latest=latest, pins=pins, fenced=fenced, prune=prune) for i in infos]
+    exported = by_step(list_records(store.backend)) if every else {}
+    for record in records:
+        if record["step"] in exported:
+            record["exports"] = [e.out for e in exported[record["step"]]]
     data: dict[str, Any] = {
         "uri": store.uri,
         "latest": latest,
@@ -97,6 +103,11 @@ def ls_command(
             steps_table(infos, latest=latest, pins=pins, fenced=fenced, prune=prune)
             + "\n"
             + total_line(infos, every, prune)
+            + "".join(
+                f"\nexported: step {r['step']} -> {', '.join(r['exports'])}"
+                for r in records
+                if "exports" in r
+            )
         ),
     )
 
@@ -127,8 +138,33 @@ def show_command(ctx: click.Context, uri: str, step: StepRef) -> None:
     info = store.info(resolve_step(store, step))
     pinned = info.step in store.pins()
     manifest = json.loads(info.manifest.encode())
-    data = {"uri": info.uri, "latest": info.step == latest, "pinned": pinned, "manifest": manifest}
-    emit(ctx, data, lambda: _show_text(info, latest=info.step == latest, pinned=pinned))
+    exports = list_records(store.backend, info.step)
+    data = {
+        "uri": info.uri,
+        "latest": info.step == latest,
+        "pinned": pinned,
+        "manifest": manifest,
+        "exports": [asdict(e) for e in exports],
+    }
+    emit(
+        ctx,
+        data,
+        lambda: (
+            _show_text(info, latest=info.step == latest, pinned=pinned)
+            + "".join(f"\n{line}" for line in _exports_text(exports))
+        ),
+    )
+
+
+def _exports_text(exports: list[ExportRecord]) -> list[str]:
+    """The ``exports:`` section of ``show``, empty when the step was never exported."""
+    if not exports:
+        return []
+    rows = [
+        [e.out, e.format, e.options.get("dtype") or "as saved", e.tensors, iso_time(e.created)]
+        for e in exports
+    ]
+    return ["", "exports:", format_table(["OUT", "FORMAT", "DTYPE", "TENSORS", "TIME"], rows, "  ")]
 
 
 def _show_text(info: CheckpointInfo, *, latest: bool, pinned: bool) -> str:
