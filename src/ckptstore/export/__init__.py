@@ -1,9 +1,10 @@
 """Export a committed step as a model others load: ``export_hf(store, step, out)``.
 
 Modules by concern: where a format keeps its tensors (verl_source, dcp_source, native_source,
-archives), the plain plan of what is written (plan, lora), the bytes produced from ranged reads
-(source, stream), the check of every file read (ledger), where the export goes (target) and
-its record beside the step (records); hf.py runs them in order. ``export_hf`` and
+archives, found), the plain plan of what is written (plan, lora), the model named and written
+file by file (writer), the bytes produced from ranged reads (source, stream), the check of
+every file read (ledger), where the export goes (target) and its record beside the step
+(records); hf.py runs them in order and publishes. ``export_hf`` and
 ``ExportReport`` are imported lazily, so that reading export records (the CLI's ``ls``) does
 not import torch.
 """
