@@ -18,6 +18,7 @@ from ckptstore.errors import (
     StepBehindLatestError,
     UnsafeLoadError,
     UntrustedCheckpointError,
+    WaitTimeoutError,
 )
 from ckptstore.info import CheckpointInfo, GcReport, Loaded, SaveStats, VerifyReport
 from ckptstore.retention import (
@@ -62,4 +63,5 @@ __all__ = [
     "UnsafeLoadError",
     "UntrustedCheckpointError",
     "VerifyReport",
+    "WaitTimeoutError",
 ]

@@ -9,6 +9,7 @@ The tree, and when each is raised::
     CheckpointError                  root: everything ckptstore raises on purpose
      +-- ConfigError                 bad user input: URI, scheme, option, step (a ValueError too)
      +-- NotFoundError               a step, object or store that should exist does not
+     |    +-- WaitTimeoutError       no newer step was committed within a wait's timeout
      +-- IncompleteCheckpointError   a step lacks files its manifest lists, or was never committed
      +-- CorruptCheckpointError      stored bytes (or a manifest, pointer, lease) are unreadable
      |    +-- UntrustedCheckpointError  a manifest is unsigned or signed with another key
@@ -130,6 +131,10 @@ class ConfigError(CheckpointError, ValueError):
 
 class NotFoundError(CheckpointError):
     """A step, object, bucket or store that should exist does not."""
+
+
+class WaitTimeoutError(NotFoundError, TimeoutError):
+    """``wait_for_step`` timed out: no step newer than the one waited past was committed."""
 
 
 class IncompleteCheckpointError(CheckpointError):

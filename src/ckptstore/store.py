@@ -27,6 +27,7 @@ from ckptstore.compat import check_compat
 from ckptstore.coordination import Coordinator, Plan, stage
 from ckptstore.environment import current_environment, world_size
 from ckptstore.errors import ConfigError
+from ckptstore.follow import DEFAULT_INTERVAL, wait_for_step
 from ckptstore.garbage import GC_GRACE_SECONDS, GarbageCollector
 from ckptstore.info import CheckpointInfo, GcReport, Loaded, VerifyReport
 from ckptstore.loading import download_step, load_state
@@ -140,24 +141,18 @@ class CheckpointStore:
         step = layout.check_step(step)
         return self._saver.save(step, state, metadata, allow_pickle, allow_older=allow_older)
 
-    def save_async(
-        self,
-        step: int,
-        state: Any,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        allow_pickle: bool = False,
-        allow_older: bool = False,
-        overlap: bool | Optimizer | Iterable[Optimizer] = False,
-    ) -> SaveHandle[CheckpointInfo]:
+    # fmt: off
+    def save_async(self, step: int, state: Any, metadata: Mapping[str, Any] | None = None, *,
+                   allow_pickle: bool = False, allow_older: bool = False,
+                   overlap: bool | Optimizer | Iterable[Optimizer] = False,
+                   ) -> SaveHandle[CheckpointInfo]:
         """Snapshot ``state`` and save it in the background, one save in flight at a time;
         ``overlap=optimizer`` defers the copy of its tensors to its next ``step()``
         (``overlap=True``: every tensor, until ``before_update()``). README "Saving fast"."""
         step = layout.check_step(step)
-        return self._async.save_async(
-            self._saver, step, state, metadata, allow_pickle, allow_older=allow_older,
-            overlap=overlap,
-        )  # fmt: skip
+        return self._async.save_async(self._saver, step, state, metadata, allow_pickle,
+                                      allow_older=allow_older, overlap=overlap)
+    # fmt: on
 
     def before_update(self) -> None:
         """Return once the tensors of an overlapped ``save_async`` may change (optimizer
@@ -212,15 +207,10 @@ class CheckpointStore:
         step = layout.check_step(step)
         return self._saver.begin(step, kind, metadata=metadata, allow_older=allow_older)
 
-    def stage_files(
-        self,
-        step: int,
-        files: Iterable[SourceFile],
-        *,
-        plan: Plan | None = None,
-        kind: str = KIND_DIRECTORY,
-        progress: Progress | None = None,
-    ) -> builtins.list[FileEntry]:
+    # fmt: off
+    def stage_files(self, step: int, files: Iterable[SourceFile], *, plan: Plan | None = None,
+                    kind: str = KIND_DIRECTORY, progress: Progress | None = None,
+                    ) -> builtins.list[FileEntry]:
         """On a participant (its store opened with ``lease=False``): upload files of ``step``
         uncommitted, reusing unchanged files the coordinator's ``plan`` names; the entries."""
         step = layout.check_step(step)
@@ -228,23 +218,19 @@ class CheckpointStore:
             epoch = self._lease.epoch or 0 if self._lease is not None else 0
             plan = Plan(step, kind, epoch, Previous(None))
         return stage(self._saver, plan, files, progress)
+    # fmt: on
 
-    def commit_files(
-        self,
-        step: int,
-        entries: Iterable[FileEntry],
-        *,
-        kind: str = KIND_DIRECTORY,
-        metadata: Mapping[str, Any] | None = None,
-        world_size: int | None = None,
-        allow_older: bool = False,
-    ) -> CheckpointInfo:
+    # fmt: off
+    def commit_files(self, step: int, entries: Iterable[FileEntry], *,
+                     kind: str = KIND_DIRECTORY, metadata: Mapping[str, Any] | None = None,
+                     world_size: int | None = None, allow_older: bool = False) -> CheckpointInfo:
         """Commit staged files as ``step`` (``begin_save`` then ``commit``): on failure
         before the manifest is written, nothing is committed and the files are removed."""
         step = layout.check_step(step)
         return self._saver.commit_staged(
             step, kind, tuple(entries), metadata, world_size=world_size, allow_older=allow_older
         )
+    # fmt: on
 
     def discard(self, step: int) -> None:
         """Remove every staged file of an uncommitted ``step`` (never a committed one's)."""
@@ -277,6 +263,14 @@ class CheckpointStore:
     def reload(self) -> None:
         """Forget the manifests this object has read (catalog.py)."""
         self._catalog.forget_all()
+
+    # fmt: off
+    def wait_for_step(self, newer_than: int | None = None, *, timeout: float | None = None,
+                      interval: float = DEFAULT_INTERVAL) -> CheckpointInfo:
+        """The newest step after ``newer_than`` (default: latest now), once one commits
+        (follow.py); WaitTimeoutError after ``timeout`` seconds."""
+        return wait_for_step(self, newer_than, timeout=timeout, interval=interval)
+    # fmt: on
 
     def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
         """Committed steps a writer committed after it lost the lease: never loaded as latest."""
@@ -321,18 +315,11 @@ class CheckpointStore:
         """One payload file of a committed step, verified against its manifest."""
         return self._catalog.read_file(info, path)
 
-    def pull_dir(
-        self,
-        local_dir: str | os.PathLike[str],
-        step: int | None = None,
-        *,
-        fallback: bool = True,
-        progress: Progress | None = None,
-        force: bool = False,
-        delete: bool = False,
-        include: str | Sequence[str] = (),
-        exclude: str | Sequence[str] = (),
-    ) -> CheckpointInfo:
+    # fmt: off
+    def pull_dir(self, local_dir: str | os.PathLike[str], step: int | None = None, *,
+                 fallback: bool = True, progress: Progress | None = None, force: bool = False,
+                 delete: bool = False, include: str | Sequence[str] = (),
+                 exclude: str | Sequence[str] = ()) -> CheckpointInfo:
         """Download a committed step's files into ``local_dir``, verified (loading.py): whole
         or not at all, ``force`` merges, ``delete`` makes an exact copy, ``include`` and
         ``exclude`` select files as the aws CLI does."""
@@ -341,9 +328,10 @@ class CheckpointStore:
 
         def pull(info: CheckpointInfo) -> None:
             download_step(self._catalog, info, target, progress, force=force, delete=delete,
-                          include=include, exclude=exclude)  # fmt: skip
+                          include=include, exclude=exclude)
 
         return self._resolver.resolve(step, fallback, pull).info
+    # fmt: on
 
     # -- many steps at once (maintenance.py, pruning.py, garbage.py) -----------------------
 

@@ -30,7 +30,7 @@ import os
 import shutil
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -337,8 +337,9 @@ class ChunkReader:
 
     ``chunks(path, size)`` yields an object's first ``size`` bytes in order, each chunk a
     ``read(path, start, end)`` of at most ``chunk_size`` bytes, reading ahead while slots are
-    free. A chunk's slot is given back, and its memoryview released, when the consumer asks for
-    the next one, so a consumer that keeps the view does not keep the bytes: at most ``slots``
+    free; ``ranges(spans)`` does the same for any sequence of ``(path, start, end)``. A
+    chunk's slot is given back, and its memoryview released, when the consumer asks for the
+    next one, so a consumer that keeps the view does not keep the bytes: at most ``slots``
     chunks exist at any time. Close each ``chunks`` generator (``contextlib.closing``); once
     ``stop`` is set, every generator raises :class:`PullStopped` at its next chunk.
     """
@@ -370,17 +371,24 @@ class ChunkReader:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def chunks(self, path: str, size: int) -> Generator[memoryview, None, None]:
+        step = self.chunk_size
+        return self.ranges((path, start, min(start + step, size)) for start in range(0, size, step))
+
+    def ranges(self, spans: Iterable[tuple[str, int, int]]) -> Generator[memoryview, None, None]:
+        """Each ``(path, start, end)`` of ``spans`` read, yielded in order, under the same
+        bound as :meth:`chunks` (which reads one object's consecutive chunks through it):
+        ``spans`` is consumed lazily, as slots free up."""
         pending: deque[Future[bytes]] = deque()
-        start = 0
+        todo = iter(spans)
+        upcoming = next(todo, None)
         try:
-            while start < size or pending:
+            while upcoming is not None or pending:
                 if self._stop.is_set():
                     raise PullStopped
                 # read ahead while slots are free; wait for one only with nothing in flight
-                while start < size and self._take_slot(wait=not pending):
-                    end = min(start + self.chunk_size, size)
-                    pending.append(self._pool.submit(self._read, path, start, end))
-                    start = end
+                while upcoming is not None and self._take_slot(wait=not pending):
+                    pending.append(self._pool.submit(self._read, *upcoming))
+                    upcoming = next(todo, None)
                 future = pending.popleft()
                 try:
                     view = memoryview(future.result())

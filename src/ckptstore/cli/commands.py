@@ -7,6 +7,7 @@ Each is a thin face over one :class:`~ckptstore.store.CheckpointStore` method; t
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 import click
@@ -44,6 +45,7 @@ from ckptstore.cli.format import (
 )
 from ckptstore.config import SIGNING_KEY, SIGNING_KEY_FILE
 from ckptstore.errors import ConflictError, NotFoundError
+from ckptstore.export.records import ExportRecord, by_step, list_records
 from ckptstore.info import SIGNATURE_NOT_CHECKED, CheckpointInfo, signature_status
 from ckptstore.retention import metric_value
 from ckptstore.store import CheckpointStore
@@ -90,6 +92,10 @@ def ls_command(
             err=True,
         )
     records = [step_record(i, latest=latest, pins=pins, fenced=fenced, prune=prune) for i in infos]
+    exported = by_step(list_records(store.backend)) if every else {}
+    for record in records:
+        if record["step"] in exported:
+            record["exports"] = [e.out for e in exported[record["step"]]]
     data: dict[str, Any] = {
         "uri": store.uri,
         "latest": latest,
@@ -108,6 +114,11 @@ def ls_command(
             steps_table(infos, latest=latest, pins=pins, fenced=fenced, prune=prune)
             + "\n"
             + total_line(infos, every, prune)
+            + "".join(
+                f"\nexported: step {r['step']} -> {', '.join(r['exports'])}"
+                for r in records
+                if "exports" in r
+            )
         ),
     )
 
@@ -139,18 +150,37 @@ def show_command(ctx: click.Context, uri: str, step: StepRef) -> None:
     pinned = info.step in store.pins()
     manifest = json.loads(info.manifest.encode())
     signature = signature_status(info.manifest, checked=store.signer is not None)
+    exports = list_records(store.backend, info.step)
     data = {
         "uri": info.uri,
         "latest": info.step == latest,
         "pinned": pinned,
         "signature": signature,
         "manifest": manifest,
+        "exports": [asdict(e) for e in exports],
     }
-    emit(ctx, data, lambda: _show_text(info, latest=info.step == latest, pinned=pinned,
-                                       signature=signature))  # fmt: skip
+    emit(
+        ctx,
+        data,
+        lambda: (
+            _show_text(info, latest=info.step == latest, pinned=pinned, signature=signature)
+            + "".join(f"\n{line}" for line in _exports_text(exports))
+        ),
+    )
     if signature == SIGNATURE_NOT_CHECKED:
         click.echo(_NO_KEY_HINT, err=True)
         ctx.exit(EXIT_UNCHECKED)
+
+
+def _exports_text(exports: list[ExportRecord]) -> list[str]:
+    """The ``exports:`` section of ``show``, empty when the step was never exported."""
+    if not exports:
+        return []
+    rows = [
+        [e.out, e.format, e.options.get("dtype") or "as saved", e.tensors, iso_time(e.created)]
+        for e in exports
+    ]
+    return ["", "exports:", format_table(["OUT", "FORMAT", "DTYPE", "TENSORS", "TIME"], rows, "  ")]
 
 
 def _show_text(info: CheckpointInfo, *, latest: bool, pinned: bool, signature: str) -> str:

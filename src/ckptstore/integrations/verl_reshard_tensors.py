@@ -99,7 +99,7 @@ def load_rank_file(path: Path) -> Any:
     """A model or optimizer rank file, memory-mapped, with only :data:`SAFE_GLOBALS` allowed."""
     check_globals(path, frozenset())
     try:
-        with _quiet_meshes(), torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        with quiet_meshes(), torch.serialization.safe_globals(list(SAFE_GLOBALS)):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         raise UnsafeLoadError(
@@ -112,7 +112,7 @@ def load_rank_file(path: Path) -> Any:
 
 
 @contextmanager
-def _quiet_meshes() -> Iterator[None]:
+def quiet_meshes() -> Iterator[None]:
     """Unpickling a DeviceMesh where no process group exists warns once per mesh; here that
     is the point (the meshes are only read), so the warning is held back while loading."""
     logger = logging.getLogger("torch.distributed.device_mesh")
@@ -122,6 +122,33 @@ def _quiet_meshes() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+def check_shard(node: DTensor, world: int, rank: int, shape: tuple[int, ...], name: str) -> None:
+    """Raise unless ``node`` is what FSDP2 on ``world`` ranks saves on ``rank`` for a tensor of
+    ``shape``: ``Shard(0)`` on a 1-D mesh of all ranks, holding ``torch.chunk``'s rows. A mesh
+    loaded on the meta device (its ranks unread) is checked by its size only."""
+    mesh = node.device_mesh
+    if node.placements != (Shard(0),) or mesh.ndim != 1:
+        raise CompatibilityError(
+            f"{name}: placements {node.placements} on a {mesh.ndim}-D mesh; only FSDP2's "
+            "Shard(0) over one mesh of all ranks is supported (tensor parallel and HSDP meshes "
+            "are not)"
+        )
+    ranks = list(range(mesh.mesh.numel())) if mesh.mesh.is_meta else mesh.mesh.flatten().tolist()
+    if ranks != list(range(world)):
+        raise CompatibilityError(
+            f"{name}: the mesh covers ranks {ranks}, not all {world} ranks of the checkpoint; "
+            "its shards cannot be put together"
+        )
+    lo, hi = chunk_range(shape[0] if shape else 0, world, rank)
+    local = node._local_tensor
+    if tuple(node.shape) != shape or tuple(local.shape) != (hi - lo, *shape[1:]):
+        raise CorruptCheckpointError(
+            f"{name}: rank {rank} holds a shard of shape {tuple(local.shape)} of "
+            f"{tuple(node.shape)}; FSDP2 on {world} ranks would hold {(hi - lo, *shape[1:])} "
+            f"of {shape}"
+        )
 
 
 class Scratch:
@@ -215,26 +242,7 @@ class RankBuilder:
     def _check_sharding(self, node: Any, old_rank: int, shape: tuple[int, ...], where: str) -> None:
         if not isinstance(node, DTensor):
             self._differs(where, "is a DTensor on some ranks only")
-        mesh = node.device_mesh
-        if node.placements != (Shard(0),) or mesh.ndim != 1:
-            raise CompatibilityError(
-                f"{self.name}{where}: placements {node.placements} on a {mesh.ndim}-D mesh; only "
-                "FSDP2's Shard(0) over one mesh of all ranks can be resharded (tensor parallel "
-                "and HSDP meshes are not)"
-            )
-        if mesh.mesh.flatten().tolist() != list(range(self.old_world)):
-            raise CompatibilityError(
-                f"{self.name}{where}: the mesh covers ranks {mesh.mesh.flatten().tolist()}, not "
-                f"all {self.old_world} ranks of the checkpoint; it cannot be resharded"
-            )
-        lo, hi = chunk_range(shape[0] if shape else 0, self.old_world, old_rank)
-        local = node._local_tensor
-        if tuple(node.shape) != shape or tuple(local.shape) != (hi - lo, *shape[1:]):
-            raise CorruptCheckpointError(
-                f"{self.name}{where}: rank {old_rank} holds a shard of shape "
-                f"{tuple(local.shape)} of {tuple(node.shape)}; FSDP2 on {self.old_world} ranks "
-                f"would hold {(hi - lo, *shape[1:])} of {shape}"
-            )
+        check_shard(node, self.old_world, old_rank, shape, f"{self.name}{where}")
 
     def _mesh(self, old: DeviceMesh) -> DeviceMesh:
         mesh = self._meshes.get(id(old))
@@ -271,6 +279,8 @@ __all__ = [
     "RankBuilder",
     "Scratch",
     "check_globals",
+    "check_shard",
     "chunk_range",
     "load_rank_file",
+    "quiet_meshes",
 ]
