@@ -520,3 +520,47 @@ def test_ray_nodes_without_shared_storage_upload_and_pull_their_own_files(
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+# -- a local tier: trainer.ckptstore.persist_every -------------------------------------------
+
+
+class Trainer:
+    total_training_steps = 5
+
+
+def test_persist_every_commits_every_kth_save_and_the_last_step(tmp_path: Path, uri: str) -> None:
+    nodes, fleet = two_nodes(tmp_path, uri)
+    cb = callback(verl_config(nodes[0], uri, persist_every=2), fleet)
+    for step in range(1, 6):
+        fake_save(nodes, step)
+        cb.on_save(
+            Trainer(), global_step=step, checkpoint_dir=str(nodes[0] / f"global_step_{step}")
+        )
+    assert [i.step for i in cb.store.list()] == [2, 4, 5]  # 5 is the last step of training
+    cb.close()
+
+
+def test_a_local_step_newer_than_the_store_resumes_only_if_every_node_holds_it(
+    tmp_path: Path, uri: str
+) -> None:
+    nodes, fleet = two_nodes(tmp_path, uri)
+    cb = callback(verl_config(nodes[0], uri, persist_every=2), fleet)
+    for step in (1, 2, 3):
+        fake_save(nodes, step)
+        cb.on_save(global_step=step, checkpoint_dir=str(nodes[0] / f"global_step_{step}"))
+    assert [i.step for i in cb.store.list()] == [2]  # step 3 lives on the nodes' disks only
+    cb.close()
+    cb = callback(verl_config(nodes[0], uri, persist_every=2), fleet)
+    assert (cb.resume.step, cb.resume.source) == (3, "local")  # whole on the two nodes
+    cb.close()
+    shutil.rmtree(nodes[1] / "global_step_3")  # node 1 was replaced
+    cb = callback(verl_config(nodes[0], uri, persist_every=2), fleet)
+    assert (cb.resume.step, cb.resume.source) == (2, "store")  # the durable step, not half a step
+    assert (nodes[1] / "global_step_2" / "actor" / f"model_world_size_{WORLD}_rank_1.pt").exists()
+    cb.close()
+
+
+def test_persist_every_is_checked_at_start(tmp_path: Path, uri: str) -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.ckptstore\.persist_every must be a positive"):
+        VerlStoreConfig.from_verl(verl_config(tmp_path, uri, persist_every=0))

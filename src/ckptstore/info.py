@@ -55,6 +55,9 @@ class CheckpointInfo:
     manifest: Manifest
     stats: SaveStats | None = field(default=None, compare=False)
     """Set on the info a save returns."""
+    tier: str | None = field(default=None, compare=False)
+    """Where a tiered store holds it (``local``, ``durable``, ``local+durable``, ``local
+    (copying)``); None for a plain store."""
 
     @property
     def step(self) -> int:

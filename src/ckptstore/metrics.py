@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from ckptstore.info import SaveStats
+    from ckptstore.observer import PersistStats
 
 _SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -66,6 +67,29 @@ class PrometheusMetrics:
             "ckptstore_last_commit_timestamp_seconds", "Unix time of the last commit", **common
         )
 
+        self.persisted_total = Counter(
+            "ckptstore_persisted", "Steps a tiered store copied to its durable tier", **common
+        )
+        self.persist_failures = Counter(
+            "ckptstore_persist_failures", "Copies to the durable tier that failed", **common
+        )
+        self.to_durable = Histogram(
+            "ckptstore_time_to_durable_seconds",
+            "From a step's commit in the local tier to its commit in the durable one",
+            **timing,
+        )
+        self.durable_step = Gauge(
+            "ckptstore_durable_step", "The newest step copied to the durable tier", **common
+        )
+        self.lag_steps = Gauge(
+            "ckptstore_durable_lag_steps", "Local steps not (yet) in the durable tier", **common
+        )
+        self.lag_seconds = Gauge(
+            "ckptstore_durable_lag_seconds",
+            "Age of the oldest local step not in the durable tier: what a lost node loses",
+            **common,
+        )
+
     def _known(self, uri: str) -> None:
         """Counters of a store start at 0, so ``rate()`` and alerts see the first failure."""
         for counter in (self.saves, self.failures, self.bytes, self.uploaded):
@@ -84,3 +108,14 @@ class PrometheusMetrics:
     def failed(self, uri: str, step: int, error: BaseException) -> None:
         self._known(uri)
         self.failures.labels(uri).inc()
+
+    def persisted(self, uri: str, stats: PersistStats) -> None:
+        """A tiered store's step reached its durable tier ``uri`` (tiers.py)."""
+        self.persisted_total.labels(uri).inc()
+        self.to_durable.labels(uri).observe(stats.seconds_to_durable)
+        self.durable_step.labels(uri).set(stats.step)
+        self.lag_steps.labels(uri).set(stats.lag_steps)
+        self.lag_seconds.labels(uri).set(stats.lag_seconds)
+
+    def persist_failed(self, uri: str, step: int, error: BaseException) -> None:
+        self.persist_failures.labels(uri).inc()

@@ -6,7 +6,8 @@ or a user's own logger) implement it, so none of them is imported to save a step
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ckptstore.info import SaveStats
@@ -24,3 +25,28 @@ class SaveObserver(Protocol):
 
     def failed(self, uri: str, step: int, error: BaseException) -> None:
         """A save of ``step`` raised ``error`` instead of returning."""
+
+
+@dataclass(frozen=True)
+class PersistStats:
+    """How a step of a tiered store reached the durable tier (tiers.py)."""
+
+    step: int
+    seconds_to_durable: float
+    """From its commit in the local tier to its commit in the durable one."""
+    lag_steps: int
+    """Steps committed locally and not (yet) durable, once this copy landed."""
+    lag_seconds: float
+    """Age of the oldest of those (0 when none): the work a lost node would lose."""
+
+
+@runtime_checkable
+class TierObserver(Protocol):
+    """What a tiered store also tells an observer that has these methods (the Prometheus
+    metrics do); a plain :class:`SaveObserver` hears only of local commits."""
+
+    def persisted(self, uri: str, stats: PersistStats) -> None:
+        """A step reached the durable tier ``uri``."""
+
+    def persist_failed(self, uri: str, step: int, error: BaseException) -> None:
+        """Copying ``step`` to the durable tier failed (it stays local; retried on reopen)."""

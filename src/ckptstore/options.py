@@ -20,6 +20,7 @@ from ckptstore.compat import COMPAT_MODES
 from ckptstore.errors import ConfigError
 from ckptstore.lease import DEFAULT_TTL
 from ckptstore.retention import Policy, RetentionPolicy, as_policies
+from ckptstore.tiers import PersistPolicy
 
 Spelling = Callable[[str], str]
 
@@ -61,6 +62,14 @@ class StoreOptions:
     signing_key: bytes | str | None = None
     save_timeout: float | None = None
     """Seconds a save may take before it fails with SaveTimeoutError (None: no deadline)."""
+    local: str | None = None
+    """A local tier in front of the store: a path on fast local disk (tiers.py)."""
+    local_keep_last: int | None = None
+    """Steps the local tier keeps (default 2), besides those not yet durable."""
+    persist_every: int | None = None
+    """Copy every this many saves to the store (default: every save)."""
+    persist_interval_seconds: float | None = None
+    """Copy a save to the store once this many seconds passed since the last copy."""
     spelling: InitVar[Spelling] = PYTHON
 
     def __post_init__(self, spelling: Spelling) -> None:
@@ -112,11 +121,34 @@ class StoreOptions:
                 f"{name('save_timeout')} must be a positive number of seconds (or None for no "
                 f"deadline), got {self.save_timeout!r}"
             )
+        self._check_tiers(name)
         if self.signing_key is not None and not isinstance(self.signing_key, (bytes, str)):
             raise ConfigError(
                 f"{name('signing_key')} must be bytes or text (hex), got "
                 f"{type(self.signing_key).__name__}"
             )
+
+    def _check_tiers(self, name: Spelling) -> None:
+        tiered = ("local_keep_last", "persist_every", "persist_interval_seconds")
+        if self.local is None:
+            given = [name(k) for k in tiered if getattr(self, k) is not None]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} only apply with {name('local')}, the local tier in "
+                    "front of the store (a path on fast local disk)"
+                )
+            return
+        if not isinstance(self.local, str) or not self.local.strip():
+            raise ConfigError(f"{name('local')} must be a path, got {self.local!r}")
+        keep = self.local_keep_last
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ConfigError(f"{name('local_keep_last')} must be a positive integer, got {keep!r}")
+        PersistPolicy(self.persist_every, self.persist_interval_seconds, spelling=name)
+
+    @property
+    def persist_policy(self) -> PersistPolicy:
+        """When a local step is due for the store (tiers.py)."""
+        return PersistPolicy(self.persist_every, self.persist_interval_seconds)
 
     @property
     def policy(self) -> RetentionPolicy:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import builtins
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -288,3 +288,49 @@ def _reason(error: CheckpointError, uri: str) -> str:
     elif text.startswith(f"{uri}/"):
         text = text[len(uri) + 1 :]
     return text.split("; ", 1)[0].split("\n", 1)[0]
+
+
+def resolve_tiers(
+    resolvers: Sequence[Resolver],
+    step: int | None,
+    fallback: bool,
+    action: Callable[[CheckpointInfo, int], T],
+) -> Resolved[T]:
+    """:meth:`Resolver.resolve` over the tiers of one store, fastest first (tiers.py): the
+    newest step any tier holds; a step that fails verification in one tier is tried in the
+    next before any older step. ``action`` gets the step and the index of its tier. A tier
+    whose steps are all refused contributes none (the others may still hold good ones)."""
+    held: dict[int, list[tuple[int, CheckpointInfo]]] = {}
+    refused: list[CheckpointError] = []
+    for index, resolver in enumerate(resolvers):
+        search = resolver.search(step, fallback=fallback)
+        try:
+            while (info := search.next()) is not None:
+                held.setdefault(info.step, []).append((index, info))
+        except NotFoundError:
+            continue  # this tier lacks the step asked for, or is empty
+        except CorruptCheckpointError as e:
+            refused.append(e)
+    failures: dict[int, CheckpointError] = {}
+    for candidate in sorted(held, reverse=True):
+        for index, info in held[candidate]:
+            try:
+                return Resolved(info, action(info, index), tuple(sorted(failures, reverse=True)))
+            except VERIFY_ERRORS as e:
+                log.warning("step %d failed verification in %s (%s); trying the next copy",
+                            candidate, resolvers[index].uri, e)  # fmt: skip
+                failures[candidate] = e
+        if not fallback:
+            break
+    uri = resolvers[-1].uri
+    if failures:
+        raise refusal(uri, failures)
+    if refused:
+        raise refused[0]
+    asked = f" step {step}" if step is not None else " committed step"
+    raise NotFoundError(
+        f"{uri} and its local tier hold no{asked}: nothing to resume from. Check the URIs, or "
+        "save a step first",
+        uri=uri,
+        step=step,
+    )

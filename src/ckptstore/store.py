@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from ckptstore import layout
 from ckptstore.adoption import ForeignStep
@@ -35,7 +35,7 @@ from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry, check_met
 from ckptstore.observer import SaveObserver
 from ckptstore.options import StoreOptions
 from ckptstore.payload import Progress, SourceFile
-from ckptstore.resolver import Resolver
+from ckptstore.resolver import Resolved, Resolver
 from ckptstore.transfer import check_target
 from ckptstore.wiring import assemble
 
@@ -43,10 +43,20 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class CheckpointStore:
     """Atomic, verified checkpoints under one URI (local path, NFS, ``s3://``, fsspec URL)."""
+
+    def __new__(cls, uri: str, *, options: StoreOptions | None = None, **kwargs: Any) -> Any:
+        """With ``local=`` (a local tier in front of the store), a TieredStore (tiered.py)."""
+        local = options.local if options is not None else kwargs.get("local")
+        if cls is CheckpointStore and local is not None:
+            from ckptstore.tiered import TieredStore
+
+            return super().__new__(TieredStore)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -303,13 +313,20 @@ class CheckpointStore:
         verification), every byte verified. ``with_info=True``: a :class:`Loaded` (state and
         step together); ``keys=["model"]``: only those parts, reading only their files."""
 
-        def load(info: CheckpointInfo) -> Any:
+        def load(info: CheckpointInfo, tier: CheckpointStore) -> Any:
             check_compat(info.manifest.environment, self._env(), mode=self.compat, where=info.uri)
-            return load_state(self._catalog, info, allow_pickle=allow_pickle, keys=keys)
+            return load_state(tier._catalog, info, allow_pickle=allow_pickle, keys=keys)
 
-        found = self._resolver.resolve(step, fallback, load)
+        found = self._resolve(step, fallback, load)
         self.last_loaded = found.info
         return Loaded(found.value, found.info) if with_info else found.value
+
+    def _resolve(
+        self, step: int | None, fallback: bool, action: Callable[[CheckpointInfo, Any], T]
+    ) -> Resolved[T]:
+        """Run ``action(info, tier)`` on the step a load starts from (resolver.py); the tier
+        is this store (a tiered store also offers its local tier: tiered.py)."""
+        return self._resolver.resolve(step, fallback, lambda info: action(info, self))
 
     def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
         """One payload file of a committed step, verified against its manifest."""
@@ -326,11 +343,11 @@ class CheckpointStore:
         target = Path(local_dir)
         check_target(target, force=force or delete)  # before any read
 
-        def pull(info: CheckpointInfo) -> None:
-            download_step(self._catalog, info, target, progress, force=force, delete=delete,
+        def pull(info: CheckpointInfo, tier: CheckpointStore) -> None:
+            download_step(tier._catalog, info, target, progress, force=force, delete=delete,
                           include=include, exclude=exclude)
 
-        return self._resolver.resolve(step, fallback, pull).info
+        return self._resolve(step, fallback, pull).info
     # fmt: on
 
     # -- many steps at once (maintenance.py, pruning.py, garbage.py) -----------------------

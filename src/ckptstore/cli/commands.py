@@ -63,11 +63,22 @@ from ckptstore.store import CheckpointStore
 )
 @click.option("--reverse", is_flag=True, help="Highest first with --sort; newest first without.")
 @click.option("--last", type=COUNT, metavar="N", help="Only the N newest steps.")
+@click.option(
+    "--local",
+    metavar="PATH",
+    help="The local tier in front of URI (a tiered store): a TIER column says where each step "
+    "is (local, durable, or both).",
+)
 @retention_options
 @common_options
 @click.pass_context
 def ls_command(
-    ctx: click.Context, uri: str, sort_by: str | None, reverse: bool, last: int | None
+    ctx: click.Context,
+    uri: str,
+    sort_by: str | None,
+    reverse: bool,
+    last: int | None,
+    local: str | None,
 ) -> None:
     """List the committed steps of URI.
 
@@ -76,7 +87,7 @@ def ls_command(
     searched 3 levels down; exit 3 if there are none.
     """
     retention = retention_of(ctx)
-    store = open_store(ctx, uri, retention=retention)
+    store = open_store(ctx, uri, retention=retention, local=local)
     every = store.list()
     latest = latest_step(store) if every else None
     pins = store.pins()

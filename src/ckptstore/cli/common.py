@@ -246,6 +246,7 @@ def open_store(
     retention: Mapping[str, Any] | None = None,
     options: dict[str, Any] | None = None,
     takeover: bool = False,
+    local: str | None = None,
 ) -> CheckpointStore:
     """A store closed when the command ends; local paths get no storage options.
 
@@ -265,6 +266,7 @@ def open_store(
                 storage_options=options,
                 compat=settings.compat,
                 takeover=takeover,
+                local=local,
                 spelling=CLI,
             ),
         )

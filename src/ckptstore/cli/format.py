@@ -117,6 +117,8 @@ def step_record(
     }
     if prune is not None:
         record["prune"] = info.step in prune
+    if info.tier is not None:
+        record["tier"] = info.tier
     return record
 
 
@@ -131,8 +133,10 @@ def steps_table(
 ) -> str:
     """The human view of ``ls``: one row per committed step, in the order given. A step that a
     writer committed after losing the lease is marked ``fenced``: it is never loaded as latest.
-    With ``prune`` (the steps retention would delete) a PRUNE column marks them."""
+    With ``prune`` (the steps retention would delete) a PRUNE column marks them; a tiered
+    store's steps get a TIER column (where they are: local, durable or both)."""
     rows = []
+    tiered = any(info.tier is not None for info in infos)
     for info in infos:
         record = step_record(info, latest=latest, pins=pins, fenced=fenced, prune=prune)
         row = [
@@ -145,10 +149,13 @@ def steps_table(
         ]
         if prune is not None:
             row.append("prune" if record["prune"] else "")
+        if tiered:
+            row.append(record.get("tier", ""))
         rows.append([*row, metadata_summary(record["metadata"])])
     headers = ["STEP", "TIME (UTC)", "SIZE", "FILES", "PINNED", "LATEST"]
-    headers += ["PRUNE", "METADATA"] if prune is not None else ["METADATA"]
-    return format_table(headers, rows, indent)
+    headers += ["PRUNE"] if prune is not None else []
+    headers += ["TIER"] if tiered else []
+    return format_table([*headers, "METADATA"], rows, indent)
 
 
 def order_steps(

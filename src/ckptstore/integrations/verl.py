@@ -46,6 +46,7 @@ from ckptstore.errors import (
     CompatibilityError,
     ConfigError,
     CorruptCheckpointError,
+    IncompleteCheckpointError,
     NotFoundError,
 )
 from ckptstore.info import CheckpointInfo
@@ -112,6 +113,8 @@ class CkptstoreCallback:
             weakref.finalize(self, self.store.close)  # releases the writer lease at exit
         self._fleet = fleet
         self._replace: set[int] = set()
+        self._saves_since = 0
+        """verl saves since the last one committed to the store (``persist_every``)."""
         self.store.hold_lease()  # fail now, not at the first save hours later
         self.resume = Resume(None, "disabled")
         if self.settings.resume:
@@ -151,6 +154,12 @@ class CkptstoreCallback:
             )
             if any(i.step == step for i in self.store.list()):
                 self.store.delete(step, force=True)
+        self._saves_since += 1
+        last = step >= getattr(trainer, "total_training_steps", float("inf"))
+        if not self.settings.persist_policy.due(self._saves_since, None, forced=last):
+            log.info("ckptstore: step %d stays local (persist_every=%s)", step,
+                     self.settings.persist_every)  # fmt: skip
+            return  # verl's own max_actor_ckpt_to_keep prunes the local copies
         meta = {
             "framework": "verl",
             "verl_version": _verl_version(),
@@ -160,6 +169,7 @@ class CkptstoreCallback:
         info = commit_step(
             self.store, self.fleet, step, metadata=meta, world_size=self.run.world_size
         )
+        self._saves_since = 0
         self._replace.discard(step)
         log.info("ckptstore: committed %s", info.uri)
         if self.settings.prune_local and self.run.keep_local:
@@ -232,53 +242,21 @@ def _prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) ->
     if run.resume_mode == "disable":
         return Resume(None, "disabled")
     if run.resume_mode == "resume_path":
-        step = _store_step(run.resume_from_path, store.uri)
-        if step is None:
-            return Resume(None, "local")  # a local path: verl loads it as usual
-        _everywhere(fleet, "sync", (step,))  # an explicit step: no fallback
-        resharded = _reshard(fleet, run, step)
-        _everywhere(fleet, "write_tracker", (step,))
-        local_copy = os.path.join(run.local_dir, layout.step_dir(step))
-        config_set(config, "trainer.resume_from_path", local_copy)
-        return Resume(step, "store", resharded_from=resharded)
+        return _resume_path(config, run, store, fleet)
     if run.resume_mode != "auto":
         raise ConfigError(
             f"trainer.resume_mode must be auto, disable or resume_path, got {run.resume_mode!r}"
         )
-    driver = fleet.driver
-    local = fleet.call("tracked_step", {driver: ()})[driver]
-    try:
-        latest = store.latest()  # the resolver (resolver.py): None only for an empty store
-    except (CorruptCheckpointError, CompatibilityError) as e:
-        if local is None:
-            raise  # never a silent start from step 0
-        log.warning("%s; resuming from local step %d", e, local)
-        latest = None
-    if latest is None:
-        if local is None:
-            log.info(
-                "%s holds no checkpoint and %s none: training starts from step 0",
-                store.uri,
-                run.local_dir,
-            )
-            return Resume(None, "scratch")
-        return Resume(local, "local")
-    step, skipped, source = local, (), "local"
-    try:  # the driver's node pulls the step the resolver picks, newer than the local one
-        step, skipped = fleet.call("pull_newest", {driver: (local,)})[driver]
-        source = "store"
-    except NotFoundError:
-        log.info("%s holds no step newer than local step %s; resuming from it", store.uri, local)
-    except (CorruptCheckpointError, CompatibilityError) as e:
-        if local is None:
-            raise  # never a silent start from step 0
-        log.warning("no step of %s newer than local step %d loads (%s); resuming from it",
-                    store.uri, local, e)  # fmt: skip
-    others = [n for n in fleet.nodes() if n != driver]
-    pulled = step is not None and (source == "store" or _committed(store, step))
+    step, skipped, source = _choose(run, store, fleet)
+    if step is None:
+        log.info("%s holds no checkpoint and %s none: training starts from step 0", store.uri,
+                 run.local_dir)  # fmt: skip
+        return Resume(None, "scratch")
+    others = [n for n in fleet.nodes() if n != fleet.driver]
+    pulled = source == "store" or _committed(store, step)
     if pulled:
         fleet.call("sync", {n: (step,) for n in others})
-    resharded = _reshard(fleet, run, step) if step is not None else None
+    resharded = _reshard(fleet, run, step)
     if pulled:
         _everywhere(fleet, "write_tracker", (step,))
     if skipped:
@@ -291,6 +269,67 @@ def _prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) ->
         )
     log.info("ckptstore: verl resumes from step %s (%s)", step, source)
     return Resume(step, source, skipped, resharded)
+
+
+def _resume_path(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) -> Resume:
+    step = _store_step(run.resume_from_path, store.uri)
+    if step is None:
+        return Resume(None, "local")  # a local path: verl loads it as usual
+    _everywhere(fleet, "sync", (step,))  # an explicit step: no fallback
+    resharded = _reshard(fleet, run, step)
+    _everywhere(fleet, "write_tracker", (step,))
+    local_copy = os.path.join(run.local_dir, layout.step_dir(step))
+    config_set(config, "trainer.resume_from_path", local_copy)
+    return Resume(step, "store", resharded_from=resharded)
+
+
+def _choose(
+    run: VerlRun, store: CheckpointStore, fleet: Fleet
+) -> tuple[int | None, tuple[int, ...], str]:
+    """The step to resume from, the store's newer steps skipped, and where it comes from:
+    the store's newest step that verifies (the resolver, on the driver's node), unless the
+    local disks hold a newer one, whole on every node (a local tier: steps saved between
+    ``persist_every`` uploads); never nothing when the store holds steps."""
+    driver = fleet.driver
+    local = fleet.call("tracked_step", {driver: ()})[driver]
+    if (
+        local is not None
+        and not _committed(store, local)
+        and not _whole_on_every_node(fleet, local)
+    ):
+        local = None  # a node lost its part, and the store has no copy to sync it from
+    try:
+        latest = store.latest()  # the resolver (resolver.py): None only for an empty store
+    except (CorruptCheckpointError, CompatibilityError) as e:
+        if local is None:
+            raise  # never a silent start from step 0
+        log.warning("%s; resuming from local step %d", e, local)
+        return local, (), "local"
+    if latest is None:
+        return local, (), "local"
+    try:  # the driver's node pulls the step the resolver picks, newer than the local one
+        step, skipped = fleet.call("pull_newest", {driver: (local,)})[driver]
+        return step, skipped, "store"
+    except NotFoundError:
+        log.info("%s holds no step newer than local step %s; resuming from it", store.uri, local)
+    except (CorruptCheckpointError, CompatibilityError) as e:
+        if local is None:
+            raise  # never a silent start from step 0
+        log.warning("no step of %s newer than local step %d loads (%s); resuming from it",
+                    store.uri, local, e)  # fmt: skip
+    return local, (), "local"
+
+
+def _whole_on_every_node(fleet: Fleet, step: int) -> bool:
+    """Whether the nodes together hold every file of local step ``step`` (decided from every
+    node's listing: a step only some ranks can load is no step to resume from)."""
+    listings = fleet.call("list_step", {n: (step,) for n in fleet.nodes()})
+    try:
+        check_complete([path for held in listings.values() for path, _ in held], step)
+    except IncompleteCheckpointError as e:
+        log.warning("local step %d cannot be resumed on this cluster: %s", step, e)
+        return False
+    return True
 
 
 def _committed(store: CheckpointStore, step: int) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 from ckptstore.errors import ConfigError
 from ckptstore.options import VERL, StoreOptions
 from ckptstore.store import CheckpointStore
+from ckptstore.tiers import PersistPolicy
 
 SECTION = "trainer.ckptstore"
 UPLOAD_MODES = ("auto", "driver", "per_node")
@@ -27,7 +28,7 @@ STORE_KEYS = (
 )  # fmt: skip
 """The :class:`~ckptstore.options.StoreOptions` a verl config may set (policy objects and the
 signing key stay out of YAML: set the key in the environment)."""
-VERL_KEYS = ("uri", "resume", "upload", "prune_local")
+VERL_KEYS = ("uri", "resume", "upload", "prune_local", "persist_every")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class VerlStoreConfig:
     or ``auto``: per node when Ray runs on more than one node."""
     prune_local: bool = True
     """Delete local step directories beyond ``max_actor_ckpt_to_keep`` once committed."""
+    persist_every: int | None = None
+    """Commit every this many verl saves to the store (and the last step of training); the
+    others stay in ``trainer.default_local_dir``, verl's own local tier."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str) or not self.uri.strip():
@@ -57,11 +61,17 @@ class VerlStoreConfig:
                     f"{SECTION}.{name} must be true or false, got {getattr(self, name)!r}",
                     uri=self.uri,
                 )
+        self.persist_policy  # noqa: B018 - validates persist_every, naming it as verl's key
         if self.upload not in UPLOAD_MODES:
             raise ConfigError(
                 f"{SECTION}.upload must be one of {', '.join(UPLOAD_MODES)}, got {self.upload!r}",
                 uri=self.uri,
             )
+
+    @property
+    def persist_policy(self) -> PersistPolicy:
+        """When a verl save is committed to the store (tiers.py)."""
+        return PersistPolicy(self.persist_every, spelling=VERL)
 
     def __getattr__(self, name: str) -> Any:
         if name in STORE_KEYS:  # settings.keep_last: the store option of that name
