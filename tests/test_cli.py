@@ -203,7 +203,7 @@ def test_show_latest_and_a_given_step(store: str) -> None:
     assert doc["manifest"]["environment"]["torch"] == metadata.version("torch")
 
     out = ok("show", store, "10")
-    for needle in ("step     10", "files:", "state.json", "metadata:", "loss", "environment:"):
+    for needle in ("step       10", "files:", "state.json", "metadata:", "loss", "environment:"):
         assert needle in out
     assert "latest" not in out.splitlines()[0]
 
