@@ -34,7 +34,15 @@ from typing import Literal, ParamSpec, TypeVar
 
 from ckptstore.errors import DeadlineExceededError, LoadTimeoutError, SaveTimeoutError
 
-__all__ = ["Deadline", "Operation", "bounded", "current_deadline", "remaining", "submit"]
+__all__ = [
+    "Deadline",
+    "Operation",
+    "bounded",
+    "check",
+    "current_deadline",
+    "remaining",
+    "submit",
+]
 
 Operation = Literal["save", "load"]
 P = ParamSpec("P")
@@ -159,6 +167,15 @@ def bounded(deadline: Deadline | None) -> Iterator[Deadline | None]:
         yield deadline
     finally:
         _CURRENT.reset(token)
+
+
+def check(target: str, *, doing: str, bytes_done: int | None = None) -> None:
+    """Raise the error of the deadline in force if it has passed: what a loop that moves a
+    file chunk by chunk calls between chunks (local disks and fsspec, whose calls cannot be
+    interrupted mid-way)."""
+    deadline = _CURRENT.get()
+    if deadline is not None:
+        deadline.check(target, doing=doing, bytes_done=bytes_done)
 
 
 def remaining(cap: float) -> float:

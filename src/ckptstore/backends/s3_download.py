@@ -40,11 +40,20 @@ def read_body_into(body: Any, out: memoryview, meter: Meter | None = None) -> in
     checksum checks. Through urllib3 2.x it reads each call into a temporary ``bytes`` and
     copies that into place, so calls ask for at most :data:`READ_PIECE` bytes: the temporary
     then stays in the CPU's cache and reuses memory just freed, where ``read()`` allocated
-    (and faulted in) a fresh buffer the size of the whole range. Pieces start at
-    :data:`FIRST_PIECE` and are sized to what arrives in an eighth of ``stall_timeout``, so the
-    ``meter`` (the watchdog) sees a trickle within about one window. Bodies without
-    ``readinto`` are read whole and copied.
+    (and faulted in) a fresh buffer the size of the whole range. Bodies without ``readinto``
+    are read whole and copied.
+
+    With a ``meter`` (the watchdog), a piece must not hide a trickle: ``readinto`` returns
+    only when its piece is full, so a server that slows from fast to a few bytes a second
+    would keep a 4 MiB piece, and the watchdog, waiting for hours. So a body botocore does not
+    checksum is read with urllib3's ``read1`` (:func:`_read1_into`), which returns what one
+    socket read brought: large pieces while data flows, every byte counted when it trickles.
+    A body botocore checksums (a whole object with a stored checksum: small JSON, in practice)
+    keeps ``readinto``, in pieces sized to what arrives in an eighth of ``stall_timeout``.
     """
+    read1 = _read1(body) if meter is not None else None
+    if read1 is not None and meter is not None:
+        return _read1_into(read1, out, meter)
     readinto = getattr(body, "readinto", None)
     if readinto is None:
         data = body.read()
@@ -66,6 +75,30 @@ def read_body_into(body: Any, out: memoryview, meter: Meter | None = None) -> in
             piece = int(min(READ_PIECE, max(MIN_PIECE, rate * meter.stall_timeout / 8)))
     rest: bytes = body.read()  # empty, normally; the whole-body read runs botocore's checks
     return filled + len(rest)
+
+
+def _read1(body: Any) -> Any:
+    """urllib3's ``read1`` under a botocore body that checks no checksum, else None.
+    (``_raw_stream`` is botocore's, as its own ``set_socket_timeout`` uses it.)"""
+    if getattr(body, "_checksum", None) is not None:
+        return None
+    return getattr(getattr(body, "_raw_stream", None), "read1", None)
+
+
+def _read1_into(read1: Callable[[int], bytes], out: memoryview, meter: Meter) -> int:
+    """:func:`read_body_into` through ``read1``; urllib3 enforces the content length."""
+    filled = 0
+    while filled < len(out):
+        data = read1(min(READ_PIECE, len(out) - filled))
+        if not data:
+            return filled
+        out[filled : filled + len(data)] = data
+        filled += len(data)
+        meter.moved(len(data))
+    extra = 0
+    while data := read1(READ_PIECE):  # more than asked for: count it for the caller to reject
+        extra += len(data)
+    return filled + extra
 
 
 class _Resumable:

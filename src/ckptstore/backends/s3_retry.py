@@ -14,15 +14,16 @@ up after :data:`UNREACHED_ATTEMPTS`.
 
 Why one backoff per endpoint, shared by every thread and backend of the process: SlowDown is
 about the rate the server sees, not one request's luck. If 64 threads each back off on their own
-for a short jittered while, they keep hitting the limit together. Here a throttling answer
-(503 SlowDown, 429) raises one pause for the endpoint; every request to it waits the pause out
-and then starts at a jittered moment within the next pause length, so the threads come back
-spread out. The pause doubles for each round of throttling (answers to requests sent before it
-was last raised do not raise it again) and halves for each pause length since it was last
-raised. Other 5xx answers, resets, timeouts and stalls may be one request's or one
-connection's trouble: that request alone backs off, exponentially with full jitter, so one
-broken key cannot slow every thread. A request never waits out a shared pause longer than half
-the time its deadline leaves: it gets its attempt.
+for a short jittered while, they keep hitting the limit together. Here every failed attempt
+backs off, exponentially with full jitter, and a throttling answer (503 SlowDown, 429) also
+lowers one send rate for the endpoint (:class:`Backoff`, additive-increase/multiplicative-
+decrease like TCP's and botocore's ``adaptive`` mode, but shared by every client of the process
+and bounded by the deadline): it halves once per round of throttling, however many threads were
+answered SlowDown, requests go out no faster than that rate, spaced rather than in bursts,
+and successes raise it again until the limit is lifted. Other 5xx answers,
+resets, timeouts and stalls may be one request's or one connection's trouble: they do not
+lower the shared rate, so one broken key cannot slow every thread. A request never waits for
+its moment longer than half the time its deadline leaves: it gets its attempt.
 
 Why a helper thread per attempt under a deadline: a request blocked in a socket call ends only
 when that call times out (``stall_timeout``). With a deadline in force, a caller's attempt runs
@@ -44,18 +45,21 @@ import random
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
 import urllib3
 from botocore.exceptions import (
     ClientError,
+    ConnectionClosedError,
     ConnectionError,
     ConnectTimeoutError,
     EndpointConnectionError,
     FlexibleChecksumError,
     HTTPClientError,
     IncompleteReadError,
+    ReadTimeoutError,
     ResponseStreamingError,
 )
 
@@ -80,10 +84,15 @@ a part's own checksum refused are refused again."""
 UNREACHED_ATTEMPTS = 3
 """Attempts for a request that cannot connect to an endpoint that never answered."""
 BASE_DELAY = 0.05
-MAX_PAUSE = 20.0
-"""The longest shared pause (botocore's own cap on a backoff)."""
 MAX_DELAY = 5.0
-"""The longest backoff of one request after a reset, timeout or stall."""
+"""The longest backoff of one request after a failure (botocore's cap is 20 s)."""
+MIN_RATE = 5.0
+"""Requests per second the shared rate never falls below: a brownout (every answer SlowDown
+for a while) takes it there, and it must climb back fast once the endpoint recovers."""
+GROWTH = 4.0
+"""How much the shared rate grows per second of successes."""
+SENT_WINDOW = 100_000
+"""Send times kept to measure the rate requests go out at (over the last second)."""
 HELPERS = 64
 """Helper threads per backend for attempts run under a deadline (made as needed)."""
 
@@ -104,6 +113,18 @@ _BROKEN = (
     urllib3.exceptions.HTTPError,
     ConnectionError,
     Stalled,
+)
+
+
+_MEANINGS: tuple[tuple[type[BaseException], str], ...] = (
+    (ReadTimeoutError, "no bytes within stall_timeout"),  # botocore's (vendored urllib3's)
+    (urllib3.exceptions.ReadTimeoutError, "no bytes within stall_timeout"),
+    (ConnectTimeoutError, "could not connect in time"),
+    (EndpointConnectionError, "could not connect"),
+    (ConnectionClosedError, "connection closed mid-request"),
+    (ResponseStreamingError, "the body broke off"),
+    (IncompleteReadError, "the body was cut short"),
+    (urllib3.exceptions.ProtocolError, "the body broke off"),
 )
 
 
@@ -131,79 +152,103 @@ def describe(e: BaseException, op: str) -> str:
         return f"{op} {inner}"
     if isinstance(e, ClientError):
         return f"{op}: {code_of(e) or 'error'} (HTTP {status_of(e)})"
+    for kind, meaning in _MEANINGS:
+        if isinstance(e, kind):
+            return f"{op}: {meaning} ({type(e).__name__})"
     return f"{op}: {type(e).__name__}: {e}"
 
 
 class Backoff:
-    """The pause one endpoint's requests share, across the threads of this process.
+    """The send rate one endpoint's requests share, across the threads of this process.
 
-    ``answered`` says whether the endpoint ever answered; ``raised`` counts how often the
-    pause was raised (for tests and logs).
+    Unlimited until the endpoint throttles. A throttling answer to a request sent since the
+    rate last fell halves it (the first time: half the rate requests were sent at over the last
+    second); answers to requests sent before do not lower it again, so 64 threads answered
+    SlowDown at once lower it once. A request goes out once ``1 / rate`` has passed since the
+    last one did (:meth:`delay`), so the threads go out spaced, not in bursts. Successes
+    raise the rate, fourfold per second of them, and once it is four times what is being
+    sent the limit is lifted. ``answered`` says whether the endpoint ever answered;
+    ``lowered`` counts how often the rate fell (for tests and logs).
     """
 
     def __init__(
         self,
         *,
         base: float = BASE_DELAY,
-        cap: float = MAX_PAUSE,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        self.base, self.cap = base, cap
+        self.base = base
         self.answered = False
-        self.raised = 0
+        self.lowered = 0
         self._clock = clock
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
-        self._pause = 0.0
-        self._until = 0.0
-        self._changed = 0.0
+        self._rate: float | None = None
+        self._last = float("-inf")
+        self._grown = 0.0
         self._round = 0
+        self._sent: deque[float] = deque(maxlen=SENT_WINDOW)
 
     @property
-    def pause(self) -> float:
-        return self._pause
+    def rate(self) -> float | None:
+        """Requests per second the endpoint is sent at most (None: no limit)."""
+        return self._rate
 
     def round(self) -> int:
-        """The current round: pass it back with the attempt's outcome."""
+        """The current round (rises each time the rate falls): pass it to :meth:`throttled`."""
         return self._round
 
-    def delay(self) -> float:
-        """How long a request about to start waits: the rest of the pause, then a jittered
-        moment within one pause length; 0 when calm."""
+    def delay(self, *, force: bool = False) -> float:
+        """0 if a request may go out now (it is counted as sent), else how long until it may
+        (then ask again: the rate may have changed). ``force``: it goes out regardless."""
         with self._lock:
             now = self._clock()
-            if now >= self._until:
-                return 0.0
-            return self._until - now + self._rng.uniform(0.0, self._pause)
+            if self._rate is not None and not force:
+                due = self._last + 1.0 / self._rate
+                if due > now:
+                    return due - now
+            self._last = now
+            self._sent.append(now)
+            return 0.0
 
-    def throttled(self, round_: int) -> float:
-        """A throttling answer to a request sent in ``round_``; returns how long it waits."""
+    def throttled(self, round_: int) -> None:
+        """A throttling answer to a request sent in ``round_``."""
         with self._lock:
-            now = self._clock()
             self.answered = True
-            self._decay(now)
-            if round_ == self._round:  # news: raise the pause, once per round
-                self._pause = min(self.cap, max(self.base, 2 * self._pause))
-                self._until = now + self._pause
-                self._changed = now
-                self._round += 1
-                self.raised += 1
-            return max(0.0, self._until - now) + self._rng.uniform(0.0, self._pause)
+            if round_ != self._round:  # sent before the rate last fell: no news
+                return
+            now = self._clock()
+            current = self._rate if self._rate is not None else self._sent_rate(now)
+            self._rate = max(MIN_RATE, current / 2)
+            self._grown = now
+            self._round += 1
+            self.lowered += 1
 
     def succeeded(self) -> None:
-        """An answer that was no throttling."""
-        self.answered = True
-
-    def _decay(self, now: float) -> None:
-        """Halve the pause for each pause length since it was last raised."""
-        while self._pause > 0.0 and now - self._changed >= self._pause:
-            self._changed += self._pause
-            self._pause = 0.0 if self._pause / 2 < self.base else self._pause / 2
+        """An answer that was no throttling: the rate grows (:data:`GROWTH` per second)."""
+        with self._lock:
+            self.answered = True
+            if self._rate is None:
+                return
+            now = self._clock()
+            self._rate *= GROWTH ** min(now - self._grown, 8.0)
+            self._grown = now
+            if self._rate > 4 * max(self._sent_rate(now), MIN_RATE):
+                self._rate = None  # far above what is sent: no limit
 
     def alone(self, failures: int) -> float:
-        """One request's own backoff after ``failures`` resets, timeouts or stalls."""
+        """One request's own backoff after ``failures`` failures: exponential, full jitter."""
         return self._rng.uniform(0.0, min(MAX_DELAY, self.base * 2**failures))
+
+    def _sent_rate(self, now: float) -> float:
+        """Requests started over the last second."""
+        count = 0
+        for when in reversed(self._sent):
+            if when < now - 1.0:
+                break
+            count += 1
+        return float(count)
 
 
 _SHARED: weakref.WeakValueDictionary[str, Backoff] = weakref.WeakValueDictionary()
@@ -265,10 +310,7 @@ class Retrier:
         started = self._clock()
         failures = 0
         while True:
-            pause = self.backoff.delay()
-            if deadline is not None:  # a shared pause never costs a request its attempt
-                pause = min(pause, deadline.remaining() / 2)
-            self._sleep(pause, deadline, progress)
+            self._pace(deadline, progress)
             round_ = self.backoff.round()
             try:
                 result = self._attempt(attempt, deadline, progress)
@@ -285,9 +327,8 @@ class Retrier:
                 failures += 1
                 progress.last_error = describe(e, op)
                 if kind is Kind.THROTTLED:
-                    wait = self.backoff.throttled(round_)
-                else:
-                    wait = self.backoff.alone(failures)
+                    self.backoff.throttled(round_)
+                wait = self.backoff.alone(failures)
                 if self._exhausted(kind, failures, self._clock() - started + wait):
                     raise
                 logger.debug(
@@ -301,6 +342,19 @@ class Retrier:
                 continue
             self.backoff.succeeded()
             return result
+
+    def _pace(self, deadline: Deadline | None, progress: Progress) -> None:
+        """Wait for the endpoint's shared rate to let this request out; under a deadline, no
+        longer than half what it leaves (the request gets its attempt)."""
+        while (wait := self.backoff.delay()) > 0:
+            if deadline is not None and wait >= deadline.remaining() / 2:
+                self._sleep(deadline.remaining() / 2, deadline, progress)
+                self.backoff.delay(force=True)
+                return
+            self._sleep(wait, deadline, progress)
+        if deadline is not None and deadline.expired:
+            raise progress.deadline_error(deadline)
+        progress.token.sleep(0)  # raises if cancelled
 
     def _exhausted(self, kind: Kind, failures: int, spent: float) -> bool:
         if self.max_attempts is not None and failures >= self.max_attempts:
