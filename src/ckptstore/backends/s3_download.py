@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION
 from typing import TYPE_CHECKING, Any
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, IncompleteReadError
 
 from ckptstore.backends.s3_errors import code_of, is_refused
 from ckptstore.backends.s3_progress import Meter, Progress
@@ -32,7 +32,9 @@ FIRST_PIECE = 64 << 10
 MIN_PIECE = 16 << 10
 
 
-def read_body_into(body: Any, out: memoryview, meter: Meter | None = None) -> int:
+def read_body_into(
+    body: Any, out: memoryview, meter: Meter | None = None, length: int | None = None
+) -> int:
     """Read a GetObject body into ``out``; returns the body's size (more than ``len(out)``
     if the server sent more: those bytes are read and dropped, for the caller to reject).
 
@@ -47,13 +49,14 @@ def read_body_into(body: Any, out: memoryview, meter: Meter | None = None) -> in
     only when its piece is full, so a server that slows from fast to a few bytes a second
     would keep a 4 MiB piece, and the watchdog, waiting for hours. So a body botocore does not
     checksum is read with urllib3's ``read1`` (:func:`_read1_into`), which returns what one
-    socket read brought: large pieces while data flows, every byte counted when it trickles.
+    socket read brought: large pieces while data flows, every byte counted when it trickles;
+    ``length`` (the answer's Content-Length) is then checked here, as botocore would.
     A body botocore checksums (a whole object with a stored checksum: small JSON, in practice)
     keeps ``readinto``, in pieces sized to what arrives in an eighth of ``stall_timeout``.
     """
     read1 = _read1(body) if meter is not None else None
     if read1 is not None and meter is not None:
-        return _read1_into(read1, out, meter)
+        return _read1_into(read1, out, meter, length)
     readinto = getattr(body, "readinto", None)
     if readinto is None:
         data = body.read()
@@ -85,19 +88,24 @@ def _read1(body: Any) -> Any:
     return getattr(getattr(body, "_raw_stream", None), "read1", None)
 
 
-def _read1_into(read1: Callable[[int], bytes], out: memoryview, meter: Meter) -> int:
-    """:func:`read_body_into` through ``read1``; urllib3 enforces the content length."""
-    filled = 0
+def _read1_into(
+    read1: Callable[[int], bytes], out: memoryview, meter: Meter, length: int | None
+) -> int:
+    """:func:`read_body_into` through ``read1``. botocore has urllib3 leave the length to it,
+    so a body cut short is caught here (IncompleteReadError, which the retry loop resumes)."""
+    filled = extra = 0
     while filled < len(out):
         data = read1(min(READ_PIECE, len(out) - filled))
         if not data:
-            return filled
+            break
         out[filled : filled + len(data)] = data
         filled += len(data)
         meter.moved(len(data))
-    extra = 0
-    while data := read1(READ_PIECE):  # more than asked for: count it for the caller to reject
-        extra += len(data)
+    else:
+        while data := read1(READ_PIECE):  # more than asked for: counted, for the caller
+            extra += len(data)
+    if length is not None and filled + extra != length:
+        raise IncompleteReadError(actual_bytes=filled + extra, expected_bytes=length)
     return filled + extra
 
 
@@ -145,8 +153,10 @@ class _Resumable:
             self.progress.token,
             on_bytes=self.progress.add,
         )
+        length = resp.get("ContentLength")
         try:
-            size = self.got + read_body_into(resp["Body"], self.out[self.got :], meter)
+            body = resp["Body"]
+            size = self.got + read_body_into(body, self.out[self.got :], meter, length)
         finally:
             self.got += meter.total
         return self.response, size
