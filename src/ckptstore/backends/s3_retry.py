@@ -117,8 +117,6 @@ _BROKEN = (
 
 
 _MEANINGS: tuple[tuple[type[BaseException], str], ...] = (
-    (ReadTimeoutError, "no bytes within stall_timeout"),  # botocore's (vendored urllib3's)
-    (urllib3.exceptions.ReadTimeoutError, "no bytes within stall_timeout"),
     (ConnectTimeoutError, "could not connect in time"),
     (EndpointConnectionError, "could not connect"),
     (ConnectionClosedError, "connection closed mid-request"),
@@ -152,10 +150,27 @@ def describe(e: BaseException, op: str) -> str:
         return f"{op} {inner}"
     if isinstance(e, ClientError):
         return f"{op}: {code_of(e) or 'error'} (HTTP {status_of(e)})"
+    unreachable = isinstance(e, (ConnectTimeoutError, EndpointConnectionError))
+    if not unreachable and _timed_out(e):  # a socket call past its timeout, however wrapped
+        return f"{op}: no bytes moved within stall_timeout ({type(e).__name__})"
     for kind, meaning in _MEANINGS:
         if isinstance(e, kind):
             return f"{op}: {meaning} ({type(e).__name__})"
     return f"{op}: {type(e).__name__}: {e}"
+
+
+def _timed_out(e: BaseException, depth: int = 0) -> bool:
+    """Whether a TimeoutError lies under ``e`` (urllib3 reports a send that timed out as a
+    ProtocolError, botocore as ConnectionClosedError)."""
+    if isinstance(e, (TimeoutError, ReadTimeoutError, urllib3.exceptions.TimeoutError)):
+        return True
+    if depth > 4:
+        return False
+    kwargs = getattr(e, "kwargs", None)
+    inner = [kwargs.get("error")] if isinstance(kwargs, dict) else []
+    inner += [a for a in e.args if isinstance(a, BaseException)]
+    inner += [e.__cause__, e.__context__]
+    return any(i is not None and _timed_out(i, depth + 1) for i in inner)
 
 
 class Backoff:

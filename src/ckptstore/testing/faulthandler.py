@@ -219,8 +219,8 @@ class Handler(BaseHTTPRequestHandler):
         body_length = 0 if no_body else length
         cuts = mode is not None and mode.kind in ("stall", "reset")
         if (fault == "reset" and body_length == 0) or (
-            cuts and mode is not None and body_length <= (mode.after or 0)
-        ):  # nothing of the body to cut after: cut the head
+            cuts and mode is not None and body_length == 0 and not mode.after
+        ):  # no body to cut after its first 0 bytes: cut the head
             self.wfile.write(head[: len(head) // 2])
             self._hold(mode) if mode is not None and mode.kind == "stall" else self._reset()
             return

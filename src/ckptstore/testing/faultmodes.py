@@ -11,7 +11,9 @@ many (those it took keep stalling or trickling until it is switched off or the c
 * ``stall``: the server accepts and never answers. ``after=None``: it reads the request and
   sends nothing; with ``after=N`` it stops after N bytes of the body, of the request
   (``direction="request"``: it stops reading) or of the response (it stops sending). The
-  connection stays open, silent, until the client gives up or the fault is switched off.
+  connection stays open, silent, until the client gives up or the fault is switched off. A
+  body of N bytes or fewer passes whole (``after=0`` on a response without a body, such as a
+  HEAD's, cuts its head instead); use ``glob`` to aim at the objects that matter.
 * ``trickle``: the body moves at ``rate`` bytes a second (after ``after`` bytes at full speed),
   in either direction; switched off, it finishes at full speed.
 * ``reset``: the connection is reset (RST) after ``after`` bytes of the body, in either
