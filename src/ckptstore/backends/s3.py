@@ -18,15 +18,16 @@ guarantee (loads verify CRC32C), so that is only logged. Readers never probe.
 
 Every request goes through one retry loop (:mod:`.s3_retry`; botocore itself makes one
 attempt): transient failures are retried for ``retry_timeout`` seconds rather than a count of
-attempts, behind one jittered backoff per endpoint that the threads of the process share, so a
-thousand ranks writing one fresh prefix slow down together and keep going under SlowDown
-(README "Scale"). A request that moves no bytes for ``stall_timeout`` seconds, or trickles, is
-given up and retried (:mod:`.s3_progress`); a broken or stalled GET resumes from its last byte
-(:mod:`.s3_download`). No request, retry or wait outlives the deadline in force
-(:mod:`ckptstore.deadline`): then a multipart upload is aborted and SaveTimeoutError (or
-LoadTimeoutError) names the file, the upload, the bytes done and the last error. Errors are
-translated once, at this boundary (:mod:`.s3_errors`), by error code and HTTP status, never by
-message text. Options and URIs are validated in :mod:`.s3_options`.
+attempts, with jittered backoff and one send rate per endpoint and bucket that the threads of
+the process share (SlowDown lowers it), so a thousand ranks writing one fresh prefix slow down
+together and keep going under SlowDown (README "Bounded saves"). A request that moves no bytes
+for ``stall_timeout`` seconds, or trickles, is given up and retried (:mod:`.s3_progress`); a
+broken or stalled GET resumes from its last byte (:mod:`.s3_download`). No request, retry or
+wait outlives the deadline in force (:mod:`ckptstore.deadline`): then a multipart upload is
+aborted and SaveTimeoutError (or LoadTimeoutError) names the file, the upload, the bytes done
+and the last error. Errors are translated once, at this boundary (:mod:`.s3_errors`), by error
+code and HTTP status, never by message text. Options and URIs are validated in
+:mod:`.s3_options`.
 """
 
 from __future__ import annotations

@@ -12,18 +12,18 @@ set, bounds the count as well. A request that cannot even connect to an endpoint
 answered this process is a configuration problem (a typo in ``endpoint_url``), so that one gives
 up after :data:`UNREACHED_ATTEMPTS`.
 
-Why one backoff per endpoint, shared by every thread and backend of the process: SlowDown is
-about the rate the server sees, not one request's luck. If 64 threads each back off on their own
-for a short jittered while, they keep hitting the limit together. Here every failed attempt
-backs off, exponentially with full jitter, and a throttling answer (503 SlowDown, 429) also
-lowers one send rate for the endpoint (:class:`Backoff`, additive-increase/multiplicative-
-decrease like TCP's and botocore's ``adaptive`` mode, but shared by every client of the process
-and bounded by the deadline): it halves once per round of throttling, however many threads were
-answered SlowDown, requests go out no faster than that rate, spaced rather than in bursts,
-and successes raise it again until the limit is lifted. Other 5xx answers,
-resets, timeouts and stalls may be one request's or one connection's trouble: they do not
-lower the shared rate, so one broken key cannot slow every thread. A request never waits for
-its moment longer than half the time its deadline leaves: it gets its attempt.
+Why one backoff per endpoint (and bucket), shared by every thread and backend of the process:
+SlowDown is about the rate the server sees, not one request's luck. If 64 threads each back off
+on their own for a short jittered while, they keep hitting the limit together. Here every failed
+attempt backs off, exponentially with full jitter, and a throttling answer (503 SlowDown, 429)
+also lowers one send rate for the endpoint's bucket (:class:`Backoff`: a client-side rate limit
+like botocore's ``adaptive`` mode, but shared by every client of the process and bounded by the
+deadline). It halves once per round of throttling, however many threads were answered SlowDown;
+requests go out no faster than that rate, spaced rather than in bursts; successes raise it
+fourfold per second until the limit is lifted. Other 5xx answers, resets, timeouts and stalls
+may be one request's or one connection's trouble: they do not lower the shared rate, so one
+broken key cannot slow every thread. A request never waits for its turn longer than half the
+time its deadline leaves: it gets its attempt.
 
 Why a helper thread per attempt under a deadline: a request blocked in a socket call ends only
 when that call times out (``stall_timeout``). With a deadline in force, a caller's attempt runs
@@ -45,7 +45,6 @@ import random
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -91,8 +90,7 @@ MIN_RATE = 5.0
 for a while) takes it there, and it must climb back fast once the endpoint recovers."""
 GROWTH = 4.0
 """How much the shared rate grows per second of successes."""
-SENT_WINDOW = 100_000
-"""Send times kept to measure the rate requests go out at (over the last second)."""
+
 HELPERS = 64
 """Helper threads per backend for attempts run under a deadline (made as needed)."""
 
@@ -203,7 +201,9 @@ class Backoff:
         self._last = float("-inf")
         self._grown = 0.0
         self._round = 0
-        self._sent: deque[float] = deque(maxlen=SENT_WINDOW)
+        self._second = 0  # the whole second the counts below are for
+        self._this_second = 0  # requests sent in it
+        self._last_second = 0  # requests sent in the one before
 
     @property
     def rate(self) -> float | None:
@@ -224,7 +224,7 @@ class Backoff:
                 if due > now:
                     return due - now
             self._last = now
-            self._sent.append(now)
+            self._count(now)
             return 0.0
 
     def throttled(self, round_: int) -> None:
@@ -256,14 +256,21 @@ class Backoff:
         """One request's own backoff after ``failures`` failures: exponential, full jitter."""
         return self._rng.uniform(0.0, min(MAX_DELAY, self.base * 2**failures))
 
+    def _count(self, now: float) -> None:
+        self._roll(now)
+        self._this_second += 1
+
+    def _roll(self, now: float) -> None:
+        second = int(now)
+        if second != self._second:
+            self._last_second = self._this_second if second == self._second + 1 else 0
+            self._this_second, self._second = 0, second
+
     def _sent_rate(self, now: float) -> float:
-        """Requests started over the last second."""
-        count = 0
-        for when in reversed(self._sent):
-            if when < now - 1.0:
-                break
-            count += 1
-        return float(count)
+        """Requests sent over about the last second (this second's, and the share of the
+        previous one's that the last second still covers)."""
+        self._roll(now)
+        return self._this_second + self._last_second * (1.0 - (now - self._second))
 
 
 _SHARED: weakref.WeakValueDictionary[str, Backoff] = weakref.WeakValueDictionary()
@@ -271,7 +278,8 @@ _SHARED_LOCK = threading.Lock()
 
 
 def backoff_for(endpoint: str) -> Backoff:
-    """The process's backoff for ``endpoint``: shared while any backend holds it."""
+    """The process's backoff for ``endpoint`` (a URL, and the bucket: S3 limits each bucket's
+    prefixes on their own): shared while any backend holds it."""
     with _SHARED_LOCK:
         found = _SHARED.get(endpoint)
         if found is None:

@@ -97,7 +97,7 @@ class Transfers:
         self.stall_timeout = stall_timeout
         endpoint = str(getattr(getattr(client, "meta", None), "endpoint_url", "") or "AWS S3")
         self.retrier = Retrier(
-            backoff or backoff_for(endpoint),
+            backoff or backoff_for(f"{endpoint}/{bucket}"),
             retry_timeout=retry_timeout,
             max_attempts=max_attempts,
         )
