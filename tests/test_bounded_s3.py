@@ -205,11 +205,11 @@ def test_a_part_stalled_for_good_fails_by_the_deadline_and_leaves_no_upload(
 ) -> None:
     stall = proxy.add_fault(Fault.stall(operations={"UploadPart"}, glob="*/big"))
     started = time.monotonic()
-    with pytest.raises(SaveTimeoutError) as caught, bounded(Deadline.after(3, rank=5)):
+    with pytest.raises(SaveTimeoutError) as caught, bounded(Deadline.after(2, rank=5)):
         backend.write("big", [os.urandom(11 * MiB)])
-    assert time.monotonic() - started < 3 + MARGIN
+    assert time.monotonic() - started < 2 + MARGIN
     e = caught.value
-    assert (e.rank, e.path, e.uri, e.timeout) == (5, "big", f"{s3_uri}/big", 3)
+    assert (e.rank, e.path, e.uri, e.timeout) == (5, "big", f"{s3_uri}/big", 2)
     assert e.upload_id and e.upload_id in str(e) and f"{s3_uri}/big" in str(e)
     assert e.bytes_done == 0 and "rank 5" in str(e)
     assert e.last_error is not None and "UploadPart" in e.last_error and "stall" in e.last_error
@@ -241,9 +241,9 @@ def test_every_request_gives_up_by_the_deadline(
 ) -> None:
     proxy.add_fault(fault)
     started = time.monotonic()
-    with pytest.raises(SaveTimeoutError) as caught, bounded(Deadline.after(2)):
+    with pytest.raises(SaveTimeoutError) as caught, bounded(Deadline.after(1.5)):
         backend.write("f", [os.urandom(size)])
-    assert time.monotonic() - started < 2 + MARGIN
+    assert time.monotonic() - started < 1.5 + MARGIN
     assert caught.value.path == "f" and caught.value.last_error
     multipart = fault.operations == {"CompleteMultipartUpload"}
     assert bool(caught.value.upload_id) == multipart
@@ -258,9 +258,9 @@ def test_a_load_stalled_for_good_fails_by_its_deadline(
     proxy.add_fault(Fault.stall(after=MiB, operations={"GetObject"}))
     started = time.monotonic()
     out = memoryview(bytearray(len(data)))
-    with pytest.raises(LoadTimeoutError) as caught, bounded(Deadline.after(2, operation="load")):
+    with pytest.raises(LoadTimeoutError) as caught, bounded(Deadline.after(1.5, operation="load")):
         backend.read_into("f", out)
-    assert time.monotonic() - started < 2 + MARGIN
+    assert time.monotonic() - started < 1.5 + MARGIN
     assert caught.value.path == "f" and caught.value.bytes_done >= MiB  # type: ignore[operator]
     assert "load ran past" in str(caught.value)
 
@@ -273,45 +273,45 @@ def test_a_brownout_shorter_than_the_deadline_is_ridden_out(
     proxy: FaultProxy, s3_uri: str, status: int
 ) -> None:
     with CheckpointStore(s3_uri, storage_options=options(proxy)) as store:
-        store.save(1, state_for(1))
+        store.save(1, state_for(1, mib=1))
         brownout = proxy.add_fault(Fault.brownout(0.75, status=status))
         with bounded(Deadline.after(20)):
-            store.save(2, state_for(2))
+            store.save(2, state_for(2, mib=1))
         assert brownout.fired > 0
-        assert same(store.load(2), state_for(2))
+        assert same(store.load(2), state_for(2, mib=1))
 
 
 def test_refused_connections_for_a_while_are_ridden_out(proxy: FaultProxy, s3_uri: str) -> None:
     with CheckpointStore(s3_uri, storage_options=options(proxy)) as store:
-        store.save(1, state_for(1))  # the endpoint answered: refusals are an outage now
+        store.save(1, state_for(1, mib=1))  # the endpoint answered: refusals are an outage now
         refused = proxy.add_fault(Fault.refuse(1))
         with bounded(Deadline.after(20)):
-            store.save(2, state_for(2))
+            store.save(2, state_for(2, mib=1))
         assert refused.fired == 1 and not refused.active
-        assert same(store.load(2), state_for(2))
+        assert same(store.load(2), state_for(2, mib=1))
 
 
 def test_sustained_slowdown_is_ridden_out_until_the_deadline(s3_endpoint: str, s3_uri: str) -> None:
-    """24 PUTs from 8 threads at 8 writes a second: SlowDown answers all along. With time
+    """16 PUTs from 8 threads at 8 writes a second: SlowDown answers all along. With time
     (10 s) they all land; with too little (1.5 s) the deadline, not a count of attempts, ends
     them, and the error says SlowDown."""
     throttle = Throttle(write_rate=8, read_rate=100, burst=0.25)
     with FaultProxy(s3_endpoint, throttle=throttle) as proxy:
         backend = S3Backend(s3_uri, options(proxy))
 
-        def put_three(rank: int) -> None:
-            for i in range(3):
+        def put_two(rank: int) -> None:
+            for i in range(2):
                 backend.write(f"rank_{rank}/f{i}", [b"x" * 100])
 
         with ThreadPoolExecutor(8) as pool, bounded(Deadline.after(10)):
-            for future in [submit(pool, put_three, rank) for rank in range(8)]:
+            for future in [submit(pool, put_two, rank) for rank in range(8)]:
                 future.result()
         assert throttle.throttled["PutObject"] > 0  # SlowDown all along, yet every PUT landed
-        assert len(list(backend.list("rank_"))) == 24
+        assert len(list(backend.list("rank_"))) == 16
 
         started = time.monotonic()
         with ThreadPoolExecutor(8) as pool, bounded(Deadline.after(1.5, rank=3)):
-            futures = [submit(pool, put_three, rank) for rank in range(8, 16)]
+            futures = [submit(pool, put_two, rank) for rank in range(8, 16)]
             errors = [f.exception() for f in futures]
         assert time.monotonic() - started < 1.5 + MARGIN
         timeouts = [e for e in errors if isinstance(e, SaveTimeoutError)]
@@ -326,7 +326,7 @@ def test_sustained_slowdown_is_ridden_out_until_the_deadline(s3_endpoint: str, s
 def test_a_stalled_save_is_retried_and_loads_bit_exact(
     proxy: FaultProxy, s3_uri: str, s3_client: Any, s3_bucket: str
 ) -> None:
-    with CheckpointStore(s3_uri, storage_options=options(proxy)) as store:
+    with CheckpointStore(s3_uri, storage_options=options(proxy, stall_timeout=0.5)) as store:
         stall = proxy.add_fault(Fault.stall(operations={"UploadPart", "PutObject"}, times=2))
         store.save(1, state_for(1, mib=11))
         assert stall.fired == 2
@@ -341,14 +341,14 @@ def test_a_commit_stalled_for_good_fails_by_the_deadline_and_commits_nothing(
     with CheckpointStore(s3_uri, storage_options=options(proxy)) as store:
         stall = proxy.add_fault(Fault.stall(operations={"PutObject"}, glob="*.manifest.json"))
         started = time.monotonic()
-        with pytest.raises(SaveTimeoutError) as caught, bounded(Deadline.after(2, rank=0)):
-            store.save(1, state_for(1))
-        assert time.monotonic() - started < 2 + MARGIN
+        with pytest.raises(SaveTimeoutError) as caught, bounded(Deadline.after(3, rank=0)):
+            store.save(1, state_for(1, mib=1))
+        assert time.monotonic() - started < 3 + MARGIN
         assert caught.value.path is not None and caught.value.path.endswith(".manifest.json")
         stall.off()
         assert store.list() == [] and store.latest() is None
-        store.save(1, state_for(1))  # the fault cleared: the same step commits
-        assert same(store.load(1), state_for(1))
+        store.save(1, state_for(1, mib=1))  # the fault cleared: the same step commits
+        assert same(store.load(1), state_for(1, mib=1))
 
 
 @pytest.mark.xfail(
@@ -359,12 +359,16 @@ def test_a_commit_stalled_for_good_fails_by_the_deadline_and_commits_nothing(
 def test_a_save_whose_part_stalls_for_good_fails_by_the_deadline(
     proxy: FaultProxy, s3_uri: str, s3_client: Any, s3_bucket: str
 ) -> None:
-    with CheckpointStore(s3_uri, storage_options=options(proxy, retry_timeout=2)) as store:
+    opts = options(proxy, retry_timeout=2.5)  # longer than the deadline: it decides
+    with CheckpointStore(s3_uri, storage_options=opts) as store:
         proxy.add_fault(Fault.stall(operations={"UploadPart"}))
         started = time.monotonic()
-        with pytest.raises(SaveTimeoutError), bounded(Deadline.after(2, rank=0)):
+        with pytest.raises(SaveTimeoutError) as caught, bounded(Deadline.after(1.5, rank=0)):
             store.save(1, state_for(1, mib=11))
-        assert time.monotonic() - started < 2 + MARGIN
+        assert time.monotonic() - started < 1.5 + MARGIN
+        # the error is the stalled part's, not one of the cleanup after it
+        assert caught.value.upload_id and caught.value.rank == 0
+        assert (caught.value.path or "").endswith(".safetensors")
         assert store.list() == []
     assert uploads(s3_client, s3_bucket) == []
 
