@@ -96,7 +96,7 @@ HELPERS = 64
 
 
 class Kind(enum.Enum):
-    THROTTLED = "throttled"  # SlowDown: the endpoint's shared pause
+    THROTTLED = "throttled"  # SlowDown: lowers the shared rate, and this request backs off
     TRANSIENT = "transient"  # a 5xx, reset, timeout, stall, broken body: this request backs off
     UNREACHABLE = "unreachable"  # no connection at all
     CANCELLED = "cancelled"

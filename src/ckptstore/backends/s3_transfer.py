@@ -105,7 +105,11 @@ class Transfers:
         self._pool_lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(max_concurrency)
         """Hold one (:meth:`slot`) for each request that carries a part or a single PUT."""
-        self.multiparts = Multipart(self)
+
+    @property
+    def multiparts(self) -> Multipart:
+        """Multipart uploads and copies on this pool (made per use: no reference cycle)."""
+        return Multipart(self)
 
     def pool(self) -> ThreadPoolExecutor:
         """One pool per backend: at most ``max_concurrency`` transfers run at once."""
