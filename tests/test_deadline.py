@@ -22,6 +22,7 @@ from botocore.exceptions import (
 
 from ckptstore.backends.fsspec import FsspecBackend
 from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.s3_backoff import MIN_RATE, Backoff
 from ckptstore.backends.s3_progress import (
     MIN_PROGRESS,
     Cancelled,
@@ -31,7 +32,7 @@ from ckptstore.backends.s3_progress import (
     ProgressBody,
     Stalled,
 )
-from ckptstore.backends.s3_retry import MIN_RATE, Backoff, Kind, Retrier, classify
+from ckptstore.backends.s3_retry import Kind, Retrier, classify
 from ckptstore.deadline import Deadline, bounded, current_deadline, submit
 from ckptstore.errors import (
     CheckpointError,

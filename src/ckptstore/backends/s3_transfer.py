@@ -35,11 +35,12 @@ import crc32c
 
 from ckptstore.backends import s3_download
 from ckptstore.backends.base import Chunk
+from ckptstore.backends.s3_backoff import Backoff, backoff_for
 from ckptstore.backends.s3_download import read_body_into
 from ckptstore.backends.s3_multipart import Multipart, PartJob, Upload
 from ckptstore.backends.s3_options import DEFAULT_RETRY_TIMEOUT, DEFAULT_STALL_TIMEOUT
 from ckptstore.backends.s3_progress import Meter, Progress, ProgressBody
-from ckptstore.backends.s3_retry import Backoff, Retrier, backoff_for, mark_worker
+from ckptstore.backends.s3_retry import Retrier, mark_worker
 from ckptstore.deadline import current_deadline
 
 __all__ = ["Transfers", "crc32c_base64", "drain", "read_body_into", "split"]
