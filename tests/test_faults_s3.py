@@ -81,19 +81,16 @@ def keys(s3_client: Any, bucket: str, prefix: str) -> list[str]:
     return sorted(str(o["Key"]) for o in found)
 
 
-# -- retries: one knob, botocore's standard mode ------------------------------------------------
+# -- retries: one loop (s3_retry), bounded by time, or by max_attempts when set ----------------
 
 
 @pytest.mark.parametrize("attempts", [1, 3])
-def test_max_attempts_is_the_one_retry_setting(
+def test_max_attempts_bounds_every_request_and_body_read(
     make_proxy: ProxyFactory, s3_uri: str, attempts: int
 ) -> None:
     proxy = make_proxy(rate=1.0, faults=("503",), operations=frozenset({"HeadObject"}))
     backend = S3Backend(s3_uri, options(proxy, max_attempts=attempts))
-    assert backend._client.meta.config.retries == {
-        "mode": "adaptive",
-        "total_max_attempts": attempts,
-    }
+    assert backend._client.meta.config.retries == {"mode": "standard", "total_max_attempts": 1}
     with pytest.raises(BackendError, match="after retries") as caught:
         backend.stat("x")
     assert caught.value.retryable

@@ -21,7 +21,7 @@ from botocore.httpchecksum import StreamingChecksumBody
 from botocore.response import StreamingBody
 
 from ckptstore import CheckpointStore
-from ckptstore.backends import local, s3_transfer
+from ckptstore.backends import local, s3_download
 from ckptstore.backends.base import BackendProxy
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.s3_transfer import Transfers, read_body_into
@@ -51,7 +51,7 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(local, "READ_CHUNK", PIECE)
-    monkeypatch.setattr(s3_transfer, "READ_PIECE", PIECE)
+    monkeypatch.setattr(s3_download, "READ_PIECE", PIECE)
 
 
 @pytest.fixture

@@ -154,7 +154,7 @@ def test_a_store_under_the_limit_saves_and_loads_every_byte(
     s3_endpoint: str, s3_bucket: str
 ) -> None:
     """A real clock at 20 writes a second: a save of 40 files must wait for the bucket, and
-    the default retries (botocore's adaptive mode, 5 attempts) carry it through."""
+    the default retries (by time, with the send rate the process shares) carry it through."""
     throttle = Throttle(write_rate=20, read_rate=40, prefix_depth=1)
     with FaultProxy(s3_endpoint, throttle=throttle) as proxy:
         options = {"endpoint_url": proxy.endpoint_url}

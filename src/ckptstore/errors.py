@@ -28,6 +28,11 @@ The tree, and when each is raised::
      |    +-- AccessDeniedError      credentials missing or wrong, or permission refused
      +-- DistributedCheckpointError  a multi-rank save or load failed; ``failures`` per rank
      +-- SaveAbandonedError          a background save was abandoned (Ctrl-C twice at exit)
+     +-- DeadlineExceededError       a save or load ran past its deadline (ckptstore.deadline);
+          |                          what was in flight was aborted
+          +-- SaveTimeoutError       ... a save's: ``rank``, ``upload_id``, ``bytes_done``,
+          |                          ``last_error`` say where it stood
+          +-- LoadTimeoutError       ... a load's
 
 Besides the message, every error carries what it is about as attributes, each ``None`` where
 it does not apply (``str(e)`` is the message alone):
@@ -228,3 +233,45 @@ class SaveAbandonedError(CheckpointError):
     """A background save was abandoned before its commit (a second Ctrl-C while the process
     waited for it at exit): nothing was committed, its staged files were removed (what could
     not be is garbage that ``gc`` removes)."""
+
+
+class DeadlineExceededError(CheckpointError):
+    """A save or load ran past its deadline (:mod:`ckptstore.deadline`); what was in flight
+    was aborted (a multipart upload included), so nothing is left open.
+
+    Besides ``uri``/``path`` (the file being moved when time ran out) it carries, each
+    ``None`` where unknown: ``rank`` (whose save), ``upload_id`` (the multipart upload that was
+    aborted), ``bytes_done`` (of that file, when time ran out), ``last_error`` (the last
+    retryable failure, as text: a stall, SlowDown, a reset) and ``timeout`` (the deadline's
+    budget, in seconds). The message names them too. Raise it through
+    :meth:`ckptstore.deadline.Deadline.error`, which writes that message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        upload_id: str | None = None,
+        bytes_done: int | None = None,
+        last_error: str | None = None,
+        timeout: float | None = None,
+        uri: str | None = None,
+        step: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(message, uri=uri, step=step, path=path)
+        self.rank = rank
+        self.upload_id = upload_id
+        self.bytes_done = bytes_done
+        self.last_error = last_error
+        self.timeout = timeout
+
+
+class SaveTimeoutError(DeadlineExceededError):
+    """A save ran past its deadline (``save_timeout``); nothing of it was committed by the
+    request that timed out, and its multipart upload, if any, was aborted."""
+
+
+class LoadTimeoutError(DeadlineExceededError):
+    """A load ran past its deadline; the partial read was dropped."""

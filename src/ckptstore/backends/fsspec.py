@@ -10,6 +10,9 @@ fsspec offers no create-if-absent or compare-and-swap that holds across processe
 filesystem, so ``create`` and ``swap`` are the base class's check-then-write fallback: atomic
 within this process only. Capabilities say so, and the first create or swap warns once. Swap's
 version token is a SHA-256 of the content.
+
+A write stops between chunks, and a read does not start, once the deadline in force has passed
+(:mod:`ckptstore.deadline`); the filesystem's own calls cannot be interrupted.
 """
 
 from __future__ import annotations
@@ -25,9 +28,16 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
+from ckptstore import deadline
 from ckptstore.backends.base import BaseBackend, Capabilities, Chunk, ObjectInfo, PartialWrite
 from ckptstore.backends.fsutil import TMP_PREFIX, temp_name
-from ckptstore.errors import AccessDeniedError, BackendError, ConfigError, NotFoundError
+from ckptstore.errors import (
+    AccessDeniedError,
+    BackendError,
+    ConfigError,
+    DeadlineExceededError,
+    NotFoundError,
+)
 
 
 class FsspecBackend(BaseBackend):
@@ -71,6 +81,7 @@ class FsspecBackend(BaseBackend):
 
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         with self._translated(path, "read"):
+            deadline.check(self._name(path), doing="read")
             if end is not None and end <= start:
                 self.fs.info(self._full(path))  # raises if missing
                 return b""
@@ -94,10 +105,13 @@ class FsspecBackend(BaseBackend):
             f = self._open_for_write(tmp)
             if isinstance(f, AbstractBufferedFile):  # commits on close: write in place
                 _forget(f)  # nothing was written, so nothing was sent
-                return _write_buffered(self._open_for_write(full), chunks)
+                return _write_buffered(self._open_for_write(full), chunks, self._name(path))
             try:
                 with f:
-                    size = sum(int(f.write(chunk)) for chunk in chunks)
+                    size = 0
+                    for chunk in chunks:
+                        deadline.check(self._name(path), doing="write", bytes_done=size)
+                        size += int(f.write(chunk))
                 self.fs.mv(tmp, full)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -188,6 +202,9 @@ class FsspecBackend(BaseBackend):
         where = self._where(path)
         try:
             yield
+        except DeadlineExceededError as e:
+            e.add_context(**where)
+            raise
         except (FileNotFoundError, NotADirectoryError) as e:
             raise NotFoundError(
                 f"{name} does not exist (while trying to {action} it)", **where
@@ -208,11 +225,13 @@ class FsspecBackend(BaseBackend):
             raise BackendError(f"cannot {action} {name}: {e.strerror or e}", **where) from e
 
 
-def _write_buffered(f: AbstractBufferedFile, chunks: Iterable[Chunk]) -> int:
-    """Commit on close; on any failure discard, and never close (closing would commit)."""
+def _write_buffered(f: AbstractBufferedFile, chunks: Iterable[Chunk], name: str) -> int:
+    """Commit on close; on any failure (the deadline included) discard, and never close
+    (closing would commit)."""
     size = 0
     try:
         for chunk in chunks:
+            deadline.check(name, doing="write", bytes_done=size)
             size += f.write(chunk)
     except BaseException:
         _forget(f)

@@ -7,7 +7,9 @@ source and target share a directory, where a ``shutil.move`` across devices woul
 and the directory fsync makes the rename itself durable, so a power loss cannot bring back the
 old name after a caller was told the write succeeded.
 
-The local backend and the verl tracker file go through :func:`atomic_write`; pulls
+A write stops between chunks once the deadline in force has passed (:mod:`ckptstore.deadline`),
+removing its temp file. The local backend and the verl tracker file go through
+:func:`atomic_write`; pulls
 (``loading.download_step``), which verify each file between writing and renaming it, and the
 local backend's create-only and compare-and-swap writes use its halves, :func:`write_temp`,
 :func:`move_into_place` and :func:`fsync_dir`. Temp names come from :func:`temp_name` only,
@@ -23,6 +25,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from ckptstore import deadline
 from ckptstore.backends.base import Chunk
 
 HIDDEN_PREFIX = ".ckpt-"
@@ -54,6 +57,7 @@ def write_temp(target: Path, chunks: Iterable[Chunk]) -> tuple[Path, int]:
     try:
         with open(tmp, "xb") as f:
             for chunk in chunks:
+                deadline.check(str(target), doing="write", bytes_done=size)
                 size += f.write(chunk)
             f.flush()
             os.fsync(f.fileno())

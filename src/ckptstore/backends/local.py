@@ -10,6 +10,8 @@ version token (inode, mtime, size) and renames. ``copy`` hard-links: objects are
 in place, only replaced.
 
 Temp and lock files start with ``.ckpt-``: listings hide them and ``gc`` removes stray temps.
+Writes and ``read_into`` stop between chunks once the deadline in force has passed
+(:mod:`ckptstore.deadline`): a disk call itself cannot be interrupted.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ckptstore import deadline
 from ckptstore.backends.base import (
     BaseBackend,
     Capabilities,
@@ -46,6 +49,7 @@ from ckptstore.errors import (
     BackendError,
     CheckpointError,
     ConfigError,
+    DeadlineExceededError,
     ErrorContext,
     NotFoundError,
     ObjectExistsError,
@@ -109,6 +113,7 @@ class LocalBackend(BaseBackend):
                 _advise_sequential(fd)
                 filled = 0
                 while filled < len(out):
+                    deadline.check(str(target), doing="read", bytes_done=filled)
                     piece = out[filled : filled + READ_CHUNK]
                     n = os.preadv(fd, [piece], filled)  # releases the GIL; no temporary bytes
                     if not n:
@@ -328,6 +333,9 @@ def _translated(path: Path, action: str, where: ErrorContext) -> Iterator[None]:
     try:
         yield
     except (FileExistsError, ObjectExistsError):
+        raise
+    except DeadlineExceededError as e:
+        e.add_context(**where)
         raise
     except OSError as e:
         raise _translate(e, path, action, where) from e

@@ -16,13 +16,18 @@ check-then-write, atomic within this process only: create becomes HEAD, PUT, rea
 compare; swap becomes HEAD, compare ETags, PUT. A server that does not verify checksums loses no
 guarantee (loads verify CRC32C), so that is only logged. Readers never probe.
 
-Retries live in one place, botocore's ``adaptive`` retry mode, bounded by the ``max_attempts``
-option (a GET body that breaks after its headers is read again under the same bound): standard
-mode's exponential backoff with full jitter, plus a rate limit per client that S3's SlowDown
-answers switch on and adjust, so a thousand ranks writing one fresh prefix slow down together
-instead of retrying into the limit until their attempts run out (README "Scale"). Errors
-are translated once, at this boundary (:mod:`.s3_errors`), by error code and HTTP status, never
-by message text. Options and URIs are validated in :mod:`.s3_options`.
+Every request goes through one retry loop (:mod:`.s3_retry`; botocore itself makes one
+attempt): transient failures are retried for ``retry_timeout`` seconds rather than a count of
+attempts, with jittered backoff and one send rate per endpoint and bucket that the threads of
+the process share (SlowDown lowers it), so a thousand ranks writing one fresh prefix slow down
+together and keep going under SlowDown (README "Bounded saves"). A request that moves no bytes
+for ``stall_timeout`` seconds, or trickles, is given up and retried (:mod:`.s3_progress`); a
+broken or stalled GET resumes from its last byte (:mod:`.s3_download`). No request, retry or
+wait outlives the deadline in force (:mod:`ckptstore.deadline`): then a multipart upload is
+aborted and SaveTimeoutError (or LoadTimeoutError) names the file, the upload, the bytes done
+and the last error. Errors are translated once, at this boundary (:mod:`.s3_errors`), by error
+code and HTTP status, never by message text. Options and URIs are validated in
+:mod:`.s3_options`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from ckptstore.backends.base import (
 from ckptstore.backends.s3_errors import is_not_found, is_unsupported
 from ckptstore.backends.s3_options import MAX_SINGLE_PUT, S3Options, parse_s3_uri
 from ckptstore.backends.s3_probe import bare, capabilities, probe
+from ckptstore.backends.s3_progress import Progress
 from ckptstore.backends.s3_transfer import Transfers, crc32c_base64, drain, split
 from ckptstore.errors import CheckpointError, NotFoundError, PreconditionFailedError
 
@@ -87,6 +93,8 @@ class S3Backend(BaseBackend):
             self._opts.max_concurrency,
             self._opts.max_attempts,
             checksums=self._opts.checksums,
+            stall_timeout=self._opts.stall_timeout,
+            retry_timeout=self._opts.retry_timeout,
         )
 
     def __repr__(self) -> str:
@@ -144,7 +152,7 @@ class S3Backend(BaseBackend):
         key = self._key(path)
         with self._translated(key, "stat"):
             try:
-                resp = self._client.head_object(Bucket=self._bucket, Key=key)
+                resp = self._transfers.call("head_object", key, "stat", Key=key)
             except ClientError as e:
                 if not is_not_found(e):
                     raise  # a 403 is AccessDeniedError, never "missing"
@@ -154,9 +162,8 @@ class S3Backend(BaseBackend):
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         full = self._base + prefix
-        paginator = self._client.get_paginator("list_objects_v2")
         with self._translated(full, "list"):
-            for page in paginator.paginate(Bucket=self._bucket, Prefix=full):
+            for page in self._transfers.pages("list_objects_v2", full, "list", Prefix=full):
                 for obj in page.get("Contents", ()):
                     rel = str(obj["Key"])[len(self._base) :]
                     if rel.endswith("/") or rel.startswith(f"{PROBE_DIR}/probe-"):
@@ -167,10 +174,10 @@ class S3Backend(BaseBackend):
         full = self._base + prefix
         if prefix and not full.endswith("/"):
             full += "/"
-        paginator = self._client.get_paginator("list_objects_v2")
         names = []
+        pages = self._transfers.pages("list_objects_v2", full, "list", Prefix=full, Delimiter="/")
         with self._translated(full, "list"):
-            for page in paginator.paginate(Bucket=self._bucket, Prefix=full, Delimiter="/"):
+            for page in pages:
                 for common in page.get("CommonPrefixes", ()):
                     names.append(str(common["Prefix"])[len(full) :].rstrip("/"))
         return sorted(name for name in names if name)
@@ -190,7 +197,8 @@ class S3Backend(BaseBackend):
                 break
         else:
             body = head[0] if len(head) == 1 else b"".join(head)
-            with self._translated(key, "write"), self._transfers.slots:  # a PUT is a part
+            progress = Progress(self._obj(key), "write")
+            with self._translated(key, "write"), self._transfers.slot(progress):  # a PUT is a part
                 self._transfers.put(key, body)
             return size
         with self._translated(key, "write"):
@@ -251,8 +259,10 @@ class S3Backend(BaseBackend):
             return
         extra = {"ChecksumAlgorithm": "CRC32C"} if self._opts.checksums else {}
         with self._translated(source, "copy"):
-            self._client.copy_object(
-                Bucket=self._bucket,
+            self._transfers.call(
+                "copy_object",
+                target,
+                "copy",
                 Key=target,
                 CopySource={"Bucket": self._bucket, "Key": source},
                 **extra,
@@ -263,8 +273,10 @@ class S3Backend(BaseBackend):
         for i in range(0, len(keys), DELETE_BATCH):
             batch = keys[i : i + DELETE_BATCH]
             with self._translated(batch[0], "delete"):
-                resp = self._client.delete_objects(
-                    Bucket=self._bucket,
+                resp = self._transfers.call(
+                    "delete_objects",
+                    batch[0],
+                    "delete",
                     Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
                 )
             errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in s3_errors.NOT_FOUND]
@@ -284,10 +296,10 @@ class S3Backend(BaseBackend):
         probes = f"{PROBE_DIR}/probe-"
         if not probes.startswith(prefix):
             return []
-        paginator = self._client.get_paginator("list_objects_v2")
         found = []
-        with self._translated(self._base + probes, "list"):
-            for page in paginator.paginate(Bucket=self._bucket, Prefix=self._base + probes):
+        full = self._base + probes
+        with self._translated(full, "list"):
+            for page in self._transfers.pages("list_objects_v2", full, "list", Prefix=full):
                 for obj in page.get("Contents", ()):
                     rel = str(obj["Key"])[len(self._base) :]
                     found.append(PartialWrite(rel, "", obj["LastModified"].timestamp()))
@@ -334,7 +346,7 @@ class S3Backend(BaseBackend):
     def _head_etag(self, key: str) -> str | None:
         with self._translated(key, "stat"):
             try:
-                return str(self._client.head_object(Bucket=self._bucket, Key=key)["ETag"])
+                return str(self._transfers.call("head_object", key, "stat", Key=key)["ETag"])
             except ClientError as e:
                 if is_not_found(e):
                     return None
@@ -350,7 +362,7 @@ class S3Backend(BaseBackend):
         if self._bucket_checked:
             return
         try:
-            self._client.head_bucket(Bucket=self._bucket)
+            self._transfers.call("head_bucket", "", "stat")
         except ClientError as e:
             if s3_errors.status_of(e) == 404 or s3_errors.code_of(e) in ("NoSuchBucket", "404"):
                 raise self._errors.error("NoSuchBucket", self._uri, "stat") from e

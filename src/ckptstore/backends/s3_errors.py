@@ -1,10 +1,12 @@
 """botocore errors -> ckptstore errors, by exception type, S3 error code and HTTP status.
 
 The one place the S3 backend translates errors. Never by message text: S3-compatible servers
-word their messages differently, but agree on codes and statuses. botocore has already retried
-what its ``adaptive`` mode retries, so ``retryable`` tells the caller whether trying again
-later (a new save, a resume) may help. A 403 is always AccessDeniedError, never "missing": an
-expired token must not read as "no checkpoint here, start from step 0".
+word their messages differently, but agree on codes and statuses. The retry loop
+(:mod:`.s3_retry`) has already retried what it retries, so ``retryable`` tells the caller
+whether trying again later (a new save, a resume) may help. A deadline that passed is our error
+already (SaveTimeoutError, LoadTimeoutError); it only gains the store-relative ``path`` here.
+A 403 is always AccessDeniedError, never "missing": an expired token must not read as "no
+checkpoint here, start from step 0".
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from ckptstore.backends.s3_progress import Cancelled, Stalled, cause
 from ckptstore.errors import (
     AccessDeniedError,
     BackendError,
     CheckpointError,
     ConfigError,
+    DeadlineExceededError,
     ErrorContext,
     NotFoundError,
     PreconditionFailedError,
@@ -134,6 +138,17 @@ def translate(
             "AWS_PROFILE and ~/.aws/credentials, SSO, then the instance or container role",
             **where,
         )
+    inner = cause(e)
+    if isinstance(inner, Stalled):
+        return BackendError(
+            f"every attempt to {action} {target} at {endpoint} stalled, the last one {inner}, "
+            "until the retries ran out (retry_timeout); check the network and the server, or "
+            "raise stall_timeout if the link is this slow",
+            retryable=True,
+            **where,
+        )
+    if isinstance(inner, Cancelled):
+        return BackendError(f"cannot {action} {target}: cancelled ({inner})", **where)
     if isinstance(e, (BotoConnectionError, HTTPClientError, ResponseStreamingError)):
         return BackendError(
             f"cannot reach the S3 endpoint {endpoint} to {action} {target} "
@@ -208,6 +223,9 @@ class Translator:
         """Raise our error, chained, for a botocore one raised inside."""
         try:
             yield
+        except DeadlineExceededError as e:
+            e.add_context(**context(target, self.store_uri))
+            raise
         except (ClientError, BotoCoreError) as e:
             raise translate(
                 e,

@@ -31,6 +31,14 @@ DEFAULT_PART_SIZE = 32 * MiB
 this to), so most shards go up in one PutObject: fewer requests than a multipart upload and, on
 servers that rewrite an object when its upload completes (moto), about half the server's work.
 Side by side on moto (256 MiB state), 16 MiB parts saved 0.8x as fast."""
+DEFAULT_STALL_TIMEOUT = 60.0
+"""Seconds a request may move (almost) no bytes before it is aborted and retried: long enough
+for a loaded server's first byte, short against a save's deadline."""
+DEFAULT_RETRY_TIMEOUT = 300.0
+"""Seconds one request keeps retrying transient errors (SlowDown, 5xx, resets, stalls) when
+no deadline is in force; a deadline cuts it shorter."""
+CONNECT_TIMEOUT = 10.0
+"""botocore's connect timeout, lowered to ``stall_timeout`` when that is shorter."""
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 ALIASES = {
@@ -54,6 +62,8 @@ OPTIONS = frozenset(
         "max_concurrency",
         "multipart_threshold",
         "max_attempts",
+        "retry_timeout",
+        "stall_timeout",
         "checksums",
     ]
 ) | frozenset(ALIASES)
@@ -107,7 +117,10 @@ class S3Options:
     part_size: int = DEFAULT_PART_SIZE
     max_concurrency: int = 8
     multipart_threshold: int = DEFAULT_PART_SIZE
-    max_attempts: int = 5
+    max_attempts: int | None = None
+    """Attempts per request at most (``None``: bounded by time only, ``retry_timeout``)."""
+    retry_timeout: float = DEFAULT_RETRY_TIMEOUT
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT
     checksums: bool = True
     session_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
     client_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -132,7 +145,11 @@ class S3Options:
         part_size = _int(uri, opts, "part_size", DEFAULT_PART_SIZE, MIN_PART_SIZE, MAX_PART_SIZE)
         threshold = _int(uri, opts, "multipart_threshold", part_size, 1, MAX_SINGLE_PUT)
         concurrency = _int(uri, opts, "max_concurrency", 8, 1, 256)
-        attempts = _int(uri, opts, "max_attempts", 5, 1, 50)
+        attempts = None
+        if opts.get("max_attempts") is not None:
+            attempts = _int(uri, opts, "max_attempts", 1, 1, 1000)
+        stall = _seconds(uri, opts, "stall_timeout", DEFAULT_STALL_TIMEOUT, 0.05, 3600.0)
+        budget = _seconds(uri, opts, "retry_timeout", DEFAULT_RETRY_TIMEOUT, 0.0, 86400.0)
         checksums = opts.get("checksums", True)
         if not isinstance(checksums, bool):
             raise ConfigError(f"{uri}: storage option 'checksums' must be True or False", uri=uri)
@@ -159,10 +176,12 @@ class S3Options:
             max_concurrency=concurrency,
             multipart_threshold=threshold,
             max_attempts=attempts,
+            retry_timeout=budget,
+            stall_timeout=stall,
             checksums=checksums,
             session_kwargs=session,
             client_kwargs=client,
-            config=_config(uri, opts, concurrency, attempts),
+            config=_config(uri, opts, concurrency, stall),
         )
 
     def client(self, uri: str) -> Any:
@@ -194,6 +213,19 @@ def _int(uri: str, opts: dict[str, Any], name: str, default: int, low: int, high
     return value
 
 
+def _seconds(
+    uri: str, opts: dict[str, Any], name: str, default: float, low: float, high: float
+) -> float:
+    value = opts.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ConfigError(
+            f"{uri}: storage option {name!r} must be a number of seconds from {low:g} to "
+            f"{high:g}, got {value!r}",
+            uri=uri,
+        )
+    return float(value)
+
+
 def _str(uri: str, opts: dict[str, Any], name: str) -> str:
     value = opts[name]
     if not isinstance(value, str) or not value:
@@ -208,8 +240,13 @@ def _dict(uri: str, opts: dict[str, Any], name: str) -> dict[str, Any]:
     return dict(value)
 
 
-def _config(uri: str, opts: dict[str, Any], concurrency: int, attempts: int) -> Config:
-    """Our defaults (retries, timeouts, pool size), then the user's ``config_kwargs`` on top."""
+def _config(uri: str, opts: dict[str, Any], concurrency: int, stall: float) -> Config:
+    """Our defaults (retries, timeouts, pool size), then the user's ``config_kwargs`` on top.
+
+    botocore does not retry (one attempt): retries live in one place, :mod:`.s3_retry`, which
+    budgets them by time, shares its backoff between the threads of a process and never waits
+    past a deadline. Its socket timeouts are the stall timeout, so no single read or write on
+    a socket blocks longer than that (a trickle is the watchdog's: :mod:`.s3_progress`)."""
     s3: dict[str, Any] = {}
     style = opts.get("addressing_style")
     if style is not None:
@@ -223,12 +260,9 @@ def _config(uri: str, opts: dict[str, Any], concurrency: int, attempts: int) -> 
     s3.update(user.pop("s3", None) or {})
     try:
         base = Config(
-            # total attempts, first one included, as AWS_MAX_ATTEMPTS counts them; adaptive:
-            # standard's backoff plus a client-side rate limit once S3 answers SlowDown, so many
-            # ranks on one prefix converge instead of storming (README "Scale")
-            retries={"mode": "adaptive", "total_max_attempts": attempts},
-            connect_timeout=10,
-            read_timeout=120,
+            retries={"mode": "standard", "total_max_attempts": 1},
+            connect_timeout=min(CONNECT_TIMEOUT, stall),
+            read_timeout=stall,
             max_pool_connections=max(10, 2 * concurrency + 2),
             **({"s3": s3} if s3 else {}),
         )

@@ -1,0 +1,297 @@
+"""The one multipart skeleton, which uploads and server-side copies share.
+
+A multipart operation starts an upload, sends its parts on the backend's pool (at most
+``max_concurrency`` in flight, each holding one of the backend's slots), and completes the
+upload with the parts in order. On any failure (a part out of retries, the deadline, Ctrl-C) it
+cancels the running parts (they stop at their next block: :mod:`.s3_progress`), gives them
+:data:`ABORT_GRACE` to do so, and aborts the upload under a short deadline of its own: S3 never
+shows a partial object, but bills and keeps the parts of an unfinished upload until someone
+aborts it. A part still blocked in a socket call may land after that abort, so the upload is
+aborted once more when the last such part has ended. ``gc`` finds what a killed process left
+(:meth:`Multipart.unfinished`).
+
+Two answers can be lost in transit. A CreateMultipartUpload that landed unanswered leaves an
+upload nobody knows: when creating took more than one attempt, other uploads of the very same
+key are aborted (two writers never share a key: DESIGN invariant 9). A
+CompleteMultipartUpload that landed unanswered makes its retry find no upload: then the object
+itself is looked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
+from typing import TYPE_CHECKING, Any
+
+from botocore.exceptions import ClientError
+
+from ckptstore.backends.s3_errors import is_not_found
+from ckptstore.backends.s3_options import MAX_PART_SIZE
+from ckptstore.backends.s3_progress import Meter, Progress, ProgressBody
+from ckptstore.deadline import Deadline, bounded, current_deadline, submit
+from ckptstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ckptstore.backends.s3_transfer import Transfers
+
+logger = logging.getLogger(__name__)
+
+MAX_PARTS = 10_000
+ABORT_GRACE = 0.5
+"""Seconds a failed upload gives its cancelled parts to stop before it is aborted."""
+ABORT_TIMEOUT = 10.0
+"""The longest the AbortMultipartUpload after a failure may take (``stall_timeout`` if less,
+1 s at least): with :data:`ABORT_GRACE`, the margin by which a timed-out upload outlives its
+deadline."""
+Part = dict[str, Any]
+"""One entry of CompleteMultipartUpload's part list: ``PartNumber``, ``ETag``, checksums."""
+PartJob = Callable[[str, int], Part]
+"""Sends part ``number`` of upload ``upload_id`` (the arguments, in that order)."""
+Upload = tuple[str, str, "float | None"]
+"""An unfinished upload: its key, its upload id, and when it started."""
+
+
+class Multipart:
+    """Multipart uploads and copies on one backend's :class:`~.s3_transfer.Transfers`."""
+
+    def __init__(self, moves: Transfers) -> None:
+        self.moves = moves
+
+    def upload(self, key: str, parts: Iterator[bytearray], *, part_size: int) -> int:
+        """A multipart upload of ``parts``, each with its CRC32C if checksums are on; returns
+        the bytes uploaded."""
+        size = 0
+        progress = Progress(self.moves.name(key), "write")
+
+        def jobs() -> Iterator[functools.partial[Part]]:
+            nonlocal size
+            for part in parts:
+                size += len(part)
+                job = functools.partial(self._upload_part, key, part, progress)
+                del part  # only the job holds the part, and only until it is uploaded
+                yield job
+                del job
+
+        extra = {"ChecksumAlgorithm": "CRC32C"} if self.moves.checksums else {}
+        self.run(key, jobs(), part_size=part_size, progress=progress, start=extra)
+        return size
+
+    def copy(self, source: str, target: str, size: int, *, part_size: int) -> None:
+        """Server-side copy in parallel UploadPartCopy parts (CopyObject stops at 5 GiB)."""
+        step = max(part_size, -(-size // MAX_PARTS))
+        progress = Progress(self.moves.name(target), "copy")
+        jobs = (
+            functools.partial(
+                self._copy_part, source, target, f"bytes={a}-{min(a + step, size) - 1}", progress
+            )
+            for a in range(0, size, step)
+        )
+        self.run(target, jobs, part_size=step, progress=progress)
+
+    def run(
+        self,
+        key: str,
+        jobs: Iterable[PartJob],
+        *,
+        part_size: int,
+        progress: Progress | None = None,
+        start: dict[str, str] | None = None,
+    ) -> int:
+        """Start an upload of ``key`` (``start``: extra CreateMultipartUpload parameters), run
+        ``jobs`` as parts 1, 2, ... on the pool, complete it; returns the number of parts.
+
+        ``jobs`` is consumed lazily, one job per free slot, so a job may hold its part's bytes.
+        """
+        moves = self.moves
+        name = moves.name(key)
+        progress = progress or Progress(name, "write")
+        upload_id = self._create(key, progress, start or {})
+        pool = moves.pool()
+        inflight: set[Future[Part]] = set()
+        done: list[Part] = []
+        try:
+            for number, job in enumerate(jobs, start=1):
+                if number > MAX_PARTS:
+                    raise ConfigError(
+                        f"{name} needs more than {MAX_PARTS} parts of {part_size} bytes; raise "
+                        f"the storage option part_size (up to {MAX_PART_SIZE}) for objects "
+                        "this large",
+                        uri=name,
+                    )
+                while len(inflight) >= moves.limit:  # bounded memory: wait for a free slot
+                    finished, inflight = moves.wait(inflight, progress, FIRST_COMPLETED)
+                    done.extend(f.result() for f in finished)
+                moves.acquire(progress)  # a slot, shared with the other files
+                try:
+                    future = submit(pool, job, upload_id, number)
+                except BaseException:
+                    moves.slots.release()
+                    raise
+                future.add_done_callback(lambda _: moves.slots.release())
+                inflight.add(future)
+                del job  # the future holds the part now, and only while it runs
+            finished, inflight = moves.wait(inflight, progress, FIRST_EXCEPTION)
+            done.extend(f.result() for f in finished)
+            done.sort(key=lambda p: int(p["PartNumber"]))
+            self._complete(key, upload_id, done, progress)
+        except BaseException:
+            self._abort_after_failure(key, upload_id, inflight, progress)
+            raise
+        logger.debug("multipart upload of %s done: %d parts", name, len(done))
+        return len(done)
+
+    def unfinished(self, prefix: str) -> list[Upload]:
+        """Every unfinished multipart upload whose key starts with ``prefix``."""
+        found: list[Upload] = []
+        doing = "list unfinished uploads under"
+        for page in self.moves.pages("list_multipart_uploads", prefix, doing, Prefix=prefix):
+            for up in page.get("Uploads", ()):
+                started = up.get("Initiated")
+                found.append(
+                    (str(up["Key"]), str(up["UploadId"]), started.timestamp() if started else None)
+                )
+        return found
+
+    def abort(self, key: str, upload_id: str) -> None:
+        """Abort an unfinished upload; one that is already gone is not an error."""
+        doing = "abort the upload of"
+        try:
+            self.moves.call("abort_multipart_upload", key, doing, Key=key, UploadId=upload_id)
+        except ClientError as e:
+            if not is_not_found(e):  # NoSuchUpload
+                raise
+
+    # -- the steps ----------------------------------------------------------------------------
+
+    def _create(self, key: str, progress: Progress, start: dict[str, str]) -> str:
+        """CreateMultipartUpload; after more than one attempt, abort other uploads of ``key``."""
+        attempts = 0
+
+        def attempt() -> dict[str, Any]:
+            nonlocal attempts
+            attempts += 1
+            return self.moves.request("create_multipart_upload", Key=key, **start)
+
+        resp = self.moves.retrier.call("CreateMultipartUpload", attempt, progress)
+        upload_id = progress.upload_id = str(resp["UploadId"])
+        logger.debug("multipart upload %s of %s started", upload_id, progress.target)
+        if attempts > 1:
+            try:
+                for other_key, other, _ in self.unfinished(key):
+                    if other_key == key and other != upload_id:
+                        self.abort(key, other)
+            except Exception as e:  # gc finds it later
+                logger.warning("could not look for a lost upload of %s: %s", progress.target, e)
+        return upload_id
+
+    def _complete(self, key: str, upload_id: str, parts: list[Part], progress: Progress) -> None:
+        """CompleteMultipartUpload; a retry that finds no upload looks for the object."""
+        attempts = 0
+
+        def attempt() -> dict[str, Any]:
+            nonlocal attempts
+            attempts += 1
+            return self.moves.request(
+                "complete_multipart_upload",
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+
+        try:
+            self.moves.retrier.call("CompleteMultipartUpload", attempt, progress)
+        except ClientError as e:
+            if not (attempts > 1 and is_not_found(e)):
+                raise
+            try:  # the first attempt completed it, its answer was lost
+                self.moves.call("head_object", key, "write", Key=key)
+            except ClientError:
+                raise e from None
+
+    def _upload_part(
+        self, key: str, data: bytearray, progress: Progress, upload_id: str, number: int
+    ) -> Part:
+        moves = self.moves
+        entry: Part = {"PartNumber": number, **moves.part_checksum(data)}
+        extra = {"ChecksumAlgorithm": "CRC32C", **entry} if moves.checksums else {}
+        extra.pop("PartNumber", None)
+
+        def attempt() -> dict[str, Any]:
+            body = ProgressBody(data, Meter(moves.stall_timeout, len(data), progress.token))
+            return moves.request(
+                "upload_part", Key=key, UploadId=upload_id, PartNumber=number, Body=body, **extra
+            )
+
+        resp = moves.retrier.call(f"UploadPart {number}", attempt, progress)
+        progress.add(len(data))
+        entry["ETag"] = resp["ETag"]
+        return entry
+
+    def _copy_part(
+        self, source: str, target: str, byte_range: str, progress: Progress, upload_id: str, n: int
+    ) -> Part:
+        out = self.moves.retrier.call(
+            f"UploadPartCopy {n}",
+            functools.partial(
+                self.moves.request,
+                "upload_part_copy",
+                Key=target,
+                UploadId=upload_id,
+                PartNumber=n,
+                CopySource={"Bucket": self.moves.bucket, "Key": source},
+                CopySourceRange=byte_range,
+            ),
+            progress,
+        )
+        return {"PartNumber": n, "ETag": out["CopyPartResult"]["ETag"]}
+
+    def _abort_after_failure(
+        self, key: str, upload_id: str, inflight: set[Future[Part]], progress: Progress
+    ) -> None:
+        """Cancel the running parts, give them a moment, abort; abort again once the last
+        straggler has ended. The caller re-raises the original error, so a failed abort is
+        only logged."""
+        progress.token.cancel("its upload was aborted")
+        for future in inflight:
+            future.cancel()
+        wait(inflight, timeout=ABORT_GRACE)
+        self._abort_quietly(key, upload_id)
+        stragglers = [f for f in inflight if not f.done()]
+        if not stragglers:
+            return
+        left = [len(stragglers)]
+        lock = threading.Lock()
+
+        def ended(_: Future[Part]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            self._abort_quietly(key, upload_id)
+
+        for future in stragglers:
+            future.add_done_callback(ended)
+
+    def _abort_quietly(self, key: str, upload_id: str) -> None:
+        """Abort under a short deadline of its own (the save's may have passed)."""
+        outer = current_deadline()
+        cleanup = Deadline.after(
+            max(1.0, min(ABORT_TIMEOUT, self.moves.stall_timeout)),
+            operation=outer.operation if outer else "save",
+            rank=outer.rank if outer else None,
+        )
+        try:
+            with bounded(cleanup):
+                self.abort(key, upload_id)
+            logger.debug("aborted multipart upload %s of %s", upload_id, self.moves.name(key))
+        except Exception as e:
+            logger.warning(
+                "could not abort multipart upload %s of %s (%s); `ckptstore gc` or an "
+                "AbortIncompleteMultipartUpload lifecycle rule removes it",
+                upload_id,
+                self.moves.name(key),
+                type(e).__name__,
+            )

@@ -1,0 +1,196 @@
+"""Deadlines: a save or load finishes by a point in time, or fails saying where it stood.
+
+Why a context variable rather than an argument: a save's deadline must reach every request the
+save makes, however deep (a multipart upload's parts, their retries, a ranged re-read), through
+layers and backends whose signatures know nothing of time. :func:`bounded` sets it for the
+calling context; a thread pool that works for that context runs its jobs in a copy of it
+(:func:`submit`, or ``contextvars.copy_context().run``), so their requests see it too. Code that
+waits (a backoff, a free slot, a future) waits no longer than :meth:`Deadline.remaining`, and
+:meth:`Deadline.check` raises :class:`~ckptstore.errors.SaveTimeoutError` (or
+:class:`~ckptstore.errors.LoadTimeoutError`) once it has passed, naming the rank, the file, the
+upload, the bytes done and the last error.
+
+Why a monotonic clock: a deadline is a duration from now; the wall clock may jump (NTP, a
+suspended VM) and would end a save early or never. The clock is a field, so tests pass a fake.
+
+The engine sets one deadline per save (and per load) and passes the rank::
+
+    with bounded(Deadline.after(save_timeout, operation="save", rank=rank)):
+        ...  # every backend request below gives up by then
+
+``bounded`` replaces the deadline in force (``bounded(None)`` lifts it): cleanup after an
+expiry, such as aborting a multipart upload, runs under a short deadline of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Literal, ParamSpec, TypeVar
+
+from ckptstore.errors import DeadlineExceededError, LoadTimeoutError, SaveTimeoutError
+
+__all__ = [
+    "Deadline",
+    "Operation",
+    "bounded",
+    "check",
+    "current_deadline",
+    "remaining",
+    "submit",
+]
+
+Operation = Literal["save", "load"]
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_CURRENT: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar(
+    "ckptstore_deadline", default=None
+)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A point on a monotonic clock by which a save or load must be done.
+
+    ``seconds`` is the budget it was made with (for messages), ``operation`` decides which
+    error it raises, ``rank`` whose save it is (``None`` outside a distributed save).
+    """
+
+    expires: float
+    seconds: float
+    operation: Operation = "save"
+    rank: int | None = None
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.operation not in ("save", "load"):
+            raise ValueError(f"operation must be 'save' or 'load', got {self.operation!r}")
+        if not self.seconds >= 0:  # also refuses NaN
+            raise ValueError(f"a deadline needs seconds >= 0, got {self.seconds!r}")
+
+    @classmethod
+    def after(
+        cls,
+        seconds: float,
+        *,
+        operation: Operation = "save",
+        rank: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Deadline:
+        """The deadline ``seconds`` from now."""
+        return cls(clock() + seconds, seconds, operation, rank, clock)
+
+    def remaining(self) -> float:
+        """Seconds left, never negative."""
+        return max(0.0, self.expires - self.clock())
+
+    @property
+    def expired(self) -> bool:
+        return self.clock() >= self.expires
+
+    def cap(self, seconds: float) -> float:
+        """``seconds``, or what remains if that is less: how long a wait may last."""
+        return min(seconds, self.remaining())
+
+    def check(
+        self,
+        target: str | None = None,
+        *,
+        doing: str = "transfer",
+        upload_id: str | None = None,
+        bytes_done: int | None = None,
+        last_error: str | None = None,
+    ) -> None:
+        """Raise :meth:`error` if the deadline has passed."""
+        if self.expired:
+            raise self.error(
+                target,
+                doing=doing,
+                upload_id=upload_id,
+                bytes_done=bytes_done,
+                last_error=last_error,
+            )
+
+    def error(
+        self,
+        target: str | None = None,
+        *,
+        doing: str = "transfer",
+        upload_id: str | None = None,
+        bytes_done: int | None = None,
+        last_error: str | None = None,
+    ) -> DeadlineExceededError:
+        """The error for this deadline having passed while ``doing`` (a verb: ``write``,
+        ``read``...) ``target`` (the URI of the file). Its ``uri`` is ``target`` when that is a
+        URI; a caller that knows the store-relative path adds it (``add_context``)."""
+        cls = SaveTimeoutError if self.operation == "save" else LoadTimeoutError
+        who = f"rank {self.rank}'s {self.operation}" if self.rank is not None else self.operation
+        what = f" while trying to {doing} {target}" if target else ""
+        facts = []
+        if upload_id:
+            facts.append(f"multipart upload {upload_id} aborted")
+        if bytes_done is not None:
+            facts.append(f"{bytes_done} bytes done")
+        detail = f" ({', '.join(facts)})" if facts else ""
+        cause = f"; last error: {last_error}" if last_error else "; no request had failed"
+        setting = "save_timeout" if self.operation == "save" else "the load's timeout"
+        message = (
+            f"{who} ran past its {self.seconds:g} s deadline{what}{detail}{cause}. Check the "
+            f"storage (the last error says what failed) or raise {setting}"
+        )
+        return cls(
+            message,
+            rank=self.rank,
+            upload_id=upload_id or None,
+            bytes_done=bytes_done,
+            last_error=last_error,
+            timeout=self.seconds,
+            uri=target if target and "://" in target else None,
+        )
+
+
+def current_deadline() -> Deadline | None:
+    """The deadline in force in this context (``None``: unbounded)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def bounded(deadline: Deadline | None) -> Iterator[Deadline | None]:
+    """Run the block under ``deadline`` (replacing the one in force; ``None`` lifts it)."""
+    token = _CURRENT.set(deadline)
+    try:
+        yield deadline
+    finally:
+        _CURRENT.reset(token)
+
+
+def check(target: str, *, doing: str, bytes_done: int | None = None) -> None:
+    """Raise the error of the deadline in force if it has passed: what a loop that moves a
+    file chunk by chunk calls between chunks (local disks and fsspec, whose calls cannot be
+    interrupted mid-way)."""
+    deadline = _CURRENT.get()
+    if deadline is not None:
+        deadline.check(target, doing=doing, bytes_done=bytes_done)
+
+
+def remaining(cap: float) -> float:
+    """``cap`` seconds, or less if the deadline in force comes sooner."""
+    deadline = _CURRENT.get()
+    return cap if deadline is None else deadline.cap(cap)
+
+
+def submit(pool: Executor, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+    """``pool.submit(fn, ...)`` run in a copy of the caller's context, so ``fn`` sees the
+    caller's deadline. (One copy per job: a context cannot be entered by two threads at once.)
+    """
+    context = contextvars.copy_context()
+
+    def run() -> T:
+        return context.run(fn, *args, **kwargs)
+
+    return pool.submit(run)
