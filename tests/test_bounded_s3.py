@@ -351,11 +351,6 @@ def test_a_commit_stalled_for_good_fails_by_the_deadline_and_commits_nothing(
         assert same(store.load(1), state_for(1, mib=1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the save engine runs its file writes on a thread pool that does not yet copy the "
-    "caller's context (ckptstore.deadline.submit), so those writes do not see the deadline",
-)
 def test_a_save_whose_part_stalls_for_good_fails_by_the_deadline(
     proxy: FaultProxy, s3_uri: str, s3_client: Any, s3_bucket: str
 ) -> None:

@@ -31,6 +31,7 @@ from ckptstore.retention import (
     StepRecord,
 )
 from ckptstore.store import CheckpointStore
+from ckptstore.tiered import TieredStore
 
 __all__ = [
     "AccessDeniedError",
@@ -60,6 +61,7 @@ __all__ = [
     "SerializationError",
     "StepBehindLatestError",
     "StepRecord",
+    "TieredStore",
     "UnsafeLoadError",
     "UntrustedCheckpointError",
     "VerifyReport",

@@ -31,6 +31,7 @@ from ckptstore.backends.base import Backend, Chunk
 from ckptstore.cas import swap_loop
 from ckptstore.catalog import Catalog
 from ckptstore.checksum import Crc32c
+from ckptstore.deadline import cleanup_time, map_in_context
 from ckptstore.errors import (
     ConfigError,
     ConflictError,
@@ -153,9 +154,10 @@ class Committer:
         workers = max(1, min(self.backend.parallel_writes, len(sources)))
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-write") as pool:
-                return list(pool.map(write_one, sources))
+                return map_in_context(pool, write_one, sources)  # under the save's deadline
         except BaseException:
-            self.remover.discard_attempts(step, {attempt})
+            with cleanup_time():
+                self.remover.discard_attempts(step, {attempt})
             raise
 
     def begin_attempt(self, step: int, epoch: int, attempt: str | None = None) -> str:
@@ -187,7 +189,7 @@ class Committer:
 
         workers = max(1, min(self.backend.parallel_writes, len(entries)))
         with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-copy") as pool:
-            list(pool.map(write_one, entries))
+            map_in_context(pool, write_one, entries)
 
     def _same_bytes(self, source: SourceFile, old: FileEntry) -> bool:
         """Whether ``source`` holds the bytes ``old`` lists (by SHA-256 when digests are on)."""

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ckptstore import layout
 from ckptstore.catalog import Catalog, StepState
 from ckptstore.commit import Committer, Previous
+from ckptstore.deadline import cleanup_time, within
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
@@ -62,6 +63,7 @@ class Saver(Protocol):
     committer: Committer
     remover: Remover
     incremental: bool
+    save_timeout: float | None
 
     @property
     def uri(self) -> str: ...
@@ -141,14 +143,21 @@ def describe(error: BaseException) -> str:
 
 
 def stage(
-    saver: Saver, plan: Plan, files: Iterable[SourceFile], progress: Progress | None = None
+    saver: Saver,
+    plan: Plan,
+    files: Iterable[SourceFile],
+    progress: Progress | None = None,
+    *,
+    rank: int | None = None,
 ) -> list[FileEntry]:
-    """A participant's part: upload ``files`` into an attempt of their own, uncommitted.
+    """A participant's part: upload ``files`` into an attempt of their own, uncommitted, by
+    the save's deadline (the store's ``save_timeout``; ``rank`` names it in a timeout).
     Checks nothing the coordinator checked in :meth:`Coordinator.begin`."""
     previous = plan.previous if saver.incremental else None
-    return saver.committer.write_payload(
-        plan.step, files, progress, previous=previous, epoch=plan.epoch
-    )
+    with within(saver.save_timeout, rank=rank):
+        return saver.committer.write_payload(
+            plan.step, files, progress, previous=previous, epoch=plan.epoch
+        )
 
 
 @dataclass
@@ -250,7 +259,8 @@ class Coordinator:
                 abandon.check()
             manifest = saver.committer.commit(manifest)
         except BaseException:
-            saver.remover.discard_attempts(self.step, {e.attempt for e in entries if e.attempt})
+            with cleanup_time():
+                saver.remover.discard_attempts(self.step, {e.attempt for e in entries if e.attempt})
             raise
         saver.committer.advance_latest(self.step, epoch=epoch)
         stats = SaveStats.of(manifest, time.perf_counter() - self.started, blocked)
@@ -260,7 +270,8 @@ class Coordinator:
     def discard(self) -> None:
         """Remove every staged file of the uncommitted step (never a committed one's). A
         rival writer of the step, if any, fails to commit with a clear error meanwhile."""
-        self.saver.remover.discard_step(self.step)
+        with cleanup_time():
+            self.saver.remover.discard_step(self.step)
 
     def _what_became(self, coordinator: str) -> str:
         try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Literal, ParamSpec, TypeVar
@@ -39,7 +39,10 @@ __all__ = [
     "Operation",
     "bounded",
     "check",
+    "cleanup_time",
+    "within",
     "current_deadline",
+    "map_in_context",
     "remaining",
     "submit",
 ]
@@ -47,6 +50,7 @@ __all__ = [
 Operation = Literal["save", "load"]
 P = ParamSpec("P")
 T = TypeVar("T")
+A = TypeVar("A")
 
 _CURRENT: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar(
     "ckptstore_deadline", default=None
@@ -169,6 +173,29 @@ def bounded(deadline: Deadline | None) -> Iterator[Deadline | None]:
         _CURRENT.reset(token)
 
 
+CLEANUP_SECONDS = 30.0
+"""What removing a failed save's files may take, apart from the save's own (spent) deadline."""
+
+
+def cleanup_time() -> contextlib.AbstractContextManager[Deadline | None]:
+    """A short deadline of its own for cleaning up after a failed save: under the save's
+    (perhaps expired) deadline it would fail at once and hide the save's own error; with no
+    deadline in force, none."""
+    if _CURRENT.get() is None:
+        return contextlib.nullcontext()
+    return bounded(Deadline.after(CLEANUP_SECONDS))
+
+
+def within(
+    seconds: float | None, *, operation: Operation = "save", rank: int | None = None
+) -> contextlib.AbstractContextManager[Deadline | None]:
+    """The deadline of a save or load of ``seconds`` (None: none), unless one is in force
+    already (a save's stage inside the save keeps the save's)."""
+    if seconds is None or _CURRENT.get() is not None:
+        return contextlib.nullcontext(_CURRENT.get())
+    return bounded(Deadline.after(seconds, operation=operation, rank=rank))
+
+
 def check(target: str, *, doing: str, bytes_done: int | None = None) -> None:
     """Raise the error of the deadline in force if it has passed: what a loop that moves a
     file chunk by chunk calls between chunks (local disks and fsspec, whose calls cannot be
@@ -182,6 +209,12 @@ def remaining(cap: float) -> float:
     """``cap`` seconds, or less if the deadline in force comes sooner."""
     deadline = _CURRENT.get()
     return cap if deadline is None else deadline.cap(cap)
+
+
+def map_in_context(pool: Executor, fn: Callable[[A], T], items: Iterable[A]) -> list[T]:
+    """``list(pool.map(fn, items))``, each job in a copy of the caller's context
+    (:func:`submit`): results in order, the first failure raised."""
+    return [future.result() for future in [submit(pool, fn, item) for item in items]]
 
 
 def submit(pool: Executor, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from ckptstore import layout
 from ckptstore.backends.base import error_context
 from ckptstore.compat import check_compat
 from ckptstore.coordination import Coordinator, Plan, Staged, describe
+from ckptstore.deadline import map_in_context, within
 from ckptstore.environment import current_environment
 from ckptstore.errors import (
     CheckpointError,
@@ -67,6 +69,25 @@ def rank_dir(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
+COLLECTIVE_MARGIN = 30.0
+"""Seconds a collective of a save with a deadline waits past it: a rank whose save failed at
+the deadline (and cleaned up) still reaches the collective, and a rank that never does (hung
+outside ckptstore's I/O) fails every other rank's save this long after the deadline."""
+_TIMED_GROUPS: dict[tuple[tuple[int, ...], float], dist.ProcessGroup] = {}
+
+
+def _timed_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup:
+    """A gloo group over ``group``'s ranks whose collectives give up after ``timeout`` s,
+    made once per process (every rank asks for it at the same point, as it must)."""
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    key = (ranks, timeout)
+    if key not in _TIMED_GROUPS:
+        made = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout), backend="gloo")
+        assert made is not None  # every rank of the group is a member
+        _TIMED_GROUPS[key] = made
+    return _TIMED_GROUPS[key]
+
+
 class Collectives:
     """The few object collectives the save and load protocols need, over one process group.
 
@@ -74,10 +95,14 @@ class Collectives:
     (and is tested) in a single process.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, timeout: float | None = None
+    ) -> None:
         self.active = dist.is_available() and dist.is_initialized()
         if not self.active and group is not None:
             raise ConfigError("a process group was given, but torch.distributed is not initialized")
+        if self.active and timeout is not None:
+            group = _timed_group(group, timeout)
         self.group = group
         self.rank = dist.get_rank(group) if self.active else 0
         self.size = dist.get_world_size(group) if self.active else 1
@@ -136,9 +161,35 @@ def save_distributed(
     :class:`DistributedCheckpointError` on every rank, naming the ranks that failed and what
     became of the step: normally nothing is committed and the staged files are discarded; only
     a failure after the commit (moving ``latest``) leaves it committed. ``metadata`` is rank 0's.
+
+    With the store's ``save_timeout``, each rank's part runs by that deadline, and the
+    collectives wait :data:`COLLECTIVE_MARGIN` seconds longer at most, so a rank that stalls
+    makes every rank fail within the deadline plus that margin.
     """
     step = layout.check_step(step)
-    comm = Collectives(group)
+    timeout = store.options.save_timeout
+    comm = Collectives(group, timeout=None if timeout is None else timeout + COLLECTIVE_MARGIN)
+    try:
+        with within(timeout, rank=comm.rank):
+            return _save(store, comm, step, state, metadata, allow_pickle)
+    except RuntimeError as e:  # a collective gave up waiting: a rank never reported
+        raise DistributedCheckpointError(
+            f"step {step} was not saved: rank {comm.rank} waited {timeout} s + "
+            f"{COLLECTIVE_MARGIN:g} s for the other ranks, and some never reported ({e}); "
+            "nothing was committed by this rank, and gc removes what was staged",
+            {comm.rank: describe(e)},
+            **_step_context(store.uri, step),
+        ) from e
+
+
+def _save(
+    store: CheckpointStore,
+    comm: Collectives,
+    step: int,
+    state: Any,
+    metadata: Mapping[str, Any] | None,
+    allow_pickle: bool,
+) -> CheckpointInfo:
     # 1. Rank 0 begins the coordinated save and hands each rank its plan.
     coordinator: Coordinator | None = None
     plans: list[Plan | CheckpointError] | None = None
@@ -161,7 +212,12 @@ def save_distributed(
         report = Staged(comm.rank, tuple(_stage(store, plan, state, comm.rank, allow_pickle)))
     except Exception as e:
         local_error, report = e, Staged.failure(comm.rank, e)
-    reports = comm.gather(report)
+    try:
+        reports = comm.gather(report)
+    except RuntimeError:
+        if coordinator is not None:
+            coordinator.discard()
+        raise
     # 3. Rank 0 commits, or discards; everyone learns which.
     outcome: CheckpointInfo | CheckpointError | None = None
     if coordinator is not None and reports is not None:
@@ -198,7 +254,7 @@ def _stage(
     encoded = encode_state(state, shard_size=store.shard_size, allow_pickle=allow_pickle)
     folder = rank_dir(rank)
     files = [SourceFile(f"{folder}/{f.path}", f.chunks, f.size) for f in encoded.files()]
-    return store.stage_files(plan.step, files, plan=plan)
+    return store.stage_files(plan.step, files, plan=plan, rank=rank)
 
 
 # -- loading --------------------------------------------------------------------------------
@@ -300,7 +356,7 @@ def _read_rank(store: CheckpointStore, info: CheckpointInfo, rank: int, allow_pi
         return store.read_file(info, path)
 
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-read") as pool:
-        data = dict(zip(mine, pool.map(read, mine), strict=True))
+        data = dict(zip(mine, map_in_context(pool, read, mine), strict=True))
 
     def get(path: str) -> memoryview:
         try:

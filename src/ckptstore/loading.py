@@ -22,6 +22,7 @@ from ckptstore import layout
 from ckptstore.backends.base import join
 from ckptstore.backends.fsutil import move_into_place, unlink_quietly, write_temp
 from ckptstore.catalog import Catalog
+from ckptstore.deadline import map_in_context, submit
 from ckptstore.errors import ConfigError, CorruptCheckpointError, NotFoundError
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry
@@ -101,7 +102,7 @@ class _Reader:
         """Begin reading ``paths`` in the background (those not begun already)."""
         for path in paths:
             if path not in self._reads:
-                self._reads[path] = self._pool.submit(self._read, path)
+                self._reads[path] = submit(self._pool, self._read, path)  # the load's deadline
 
     def read(self, path: str) -> memoryview:
         """The verified bytes of ``path``, read now unless already begun."""
@@ -133,7 +134,8 @@ def read_all(catalog: Catalog, info: CheckpointInfo) -> dict[str, memoryview]:
         )
 
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckpt-read") as pool:
-        return dict(zip((f.path for f in info.files), pool.map(read, info.files), strict=True))
+        data = map_in_context(pool, read, info.files)
+    return dict(zip((f.path for f in info.files), data, strict=True))
 
 
 def download_step(

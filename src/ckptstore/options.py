@@ -62,6 +62,8 @@ class StoreOptions:
     signing_key: bytes | str | None = None
     save_timeout: float | None = None
     """Seconds a save may take before it fails with SaveTimeoutError (None: no deadline)."""
+    load_timeout: float | None = None
+    """Seconds a load or pull may take before it fails with LoadTimeoutError."""
     local: str | None = None
     """A local tier in front of the store: a path on fast local disk (tiers.py)."""
     local_keep_last: int | None = None
@@ -114,13 +116,13 @@ class StoreOptions:
                 f"{name('lease_ttl')} must be a positive number of seconds (infinity: never "
                 f"expires), got {self.lease_ttl!r}"
             )
-        if self.save_timeout is not None and not (
-            _positive(self.save_timeout) and math.isfinite(self.save_timeout)
-        ):
-            raise ConfigError(
-                f"{name('save_timeout')} must be a positive number of seconds (or None for no "
-                f"deadline), got {self.save_timeout!r}"
-            )
+        for timeout in ("save_timeout", "load_timeout"):
+            seconds = getattr(self, timeout)
+            if seconds is not None and not (_positive(seconds) and math.isfinite(seconds)):
+                raise ConfigError(
+                    f"{name(timeout)} must be a positive number of seconds (or None for no "
+                    f"deadline), got {seconds!r}"
+                )
         self._check_tiers(name)
         if self.signing_key is not None and not isinstance(self.signing_key, (bytes, str)):
             raise ConfigError(

@@ -20,7 +20,8 @@ from ckptstore.background import Abandon
 from ckptstore.catalog import Catalog
 from ckptstore.commit import Committer
 from ckptstore.coordination import Coordinator
-from ckptstore.errors import ConfigError
+from ckptstore.deadline import within
+from ckptstore.errors import CheckpointError, ConfigError
 from ckptstore.info import CheckpointInfo, SaveStats
 from ckptstore.lease import WriterLease
 from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry
@@ -50,6 +51,8 @@ class Saver:
     drain: Callable[[], None]
     """Waits for this store's save in flight (async_saving.py), raising its error."""
     observer: SaveObserver | None = None
+    save_timeout: float | None = None
+    """Seconds a save may take (deadline.py); None: no deadline."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.shard_size, int) or self.shard_size < 1:
@@ -155,16 +158,19 @@ class Saver:
         ``abandon`` (background.py) is checked once more right before the commit marker."""
         started = time.perf_counter()
         try:
-            coordinator = self.begin(step, kind, metadata=metadata, allow_older=allow_older)
-            coordinator.started = started
-            entries = coordinator.stage_here(files(), progress)
-            return coordinator.commit(
-                entries,
-                files_by_key=files_by_key,
-                blocked=blocked,
-                abandon=abandon,
-            )
+            with within(self.save_timeout):
+                coordinator = self.begin(step, kind, metadata=metadata, allow_older=allow_older)
+                coordinator.started = started
+                entries = coordinator.stage_here(files(), progress)
+                return coordinator.commit(
+                    entries,
+                    files_by_key=files_by_key,
+                    blocked=blocked,
+                    abandon=abandon,
+                )
         except BaseException as e:
+            if isinstance(e, CheckpointError):
+                e.add_context(step=step)  # a timeout from deep in a backend knows no step
             error = e  # bound for the lambda: ruff cannot see that it runs inside this block
             self._observe(lambda o: o.failed(self.uri, step, error))
             raise

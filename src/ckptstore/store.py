@@ -25,6 +25,7 @@ from ckptstore.catalog import Catalog
 from ckptstore.commit import Previous
 from ckptstore.compat import check_compat
 from ckptstore.coordination import Coordinator, Plan, stage
+from ckptstore.deadline import within
 from ckptstore.environment import current_environment, world_size
 from ckptstore.errors import ConfigError
 from ckptstore.follow import DEFAULT_INTERVAL, wait_for_step
@@ -49,13 +50,14 @@ T = TypeVar("T")
 class CheckpointStore:
     """Atomic, verified checkpoints under one URI (local path, NFS, ``s3://``, fsspec URL)."""
 
+    tiered: type[CheckpointStore] | None = None
+    """What ``local=`` opens: tiered.py's TieredStore, set when that module is imported."""
+
     def __new__(cls, uri: str, *, options: StoreOptions | None = None, **kwargs: Any) -> Any:
         """With ``local=`` (a local tier in front of the store), a TieredStore (tiered.py)."""
         local = options.local if options is not None else kwargs.get("local")
-        if cls is CheckpointStore and local is not None:
-            from ckptstore.tiered import TieredStore
-
-            return super().__new__(TieredStore)
+        if cls is CheckpointStore and local is not None and cls.tiered is not None:
+            return super().__new__(cls.tiered)
         return super().__new__(cls)
 
     def __init__(
@@ -220,14 +222,14 @@ class CheckpointStore:
     # fmt: off
     def stage_files(self, step: int, files: Iterable[SourceFile], *, plan: Plan | None = None,
                     kind: str = KIND_DIRECTORY, progress: Progress | None = None,
-                    ) -> builtins.list[FileEntry]:
+                    rank: int | None = None) -> builtins.list[FileEntry]:
         """On a participant (its store opened with ``lease=False``): upload files of ``step``
         uncommitted, reusing unchanged files the coordinator's ``plan`` names; the entries."""
         step = layout.check_step(step)
         if plan is None:
             epoch = self._lease.epoch or 0 if self._lease is not None else 0
             plan = Plan(step, kind, epoch, Previous(None))
-        return stage(self._saver, plan, files, progress)
+        return stage(self._saver, plan, files, progress, rank=rank)
     # fmt: on
 
     # fmt: off
@@ -324,9 +326,10 @@ class CheckpointStore:
     def _resolve(
         self, step: int | None, fallback: bool, action: Callable[[CheckpointInfo, Any], T]
     ) -> Resolved[T]:
-        """Run ``action(info, tier)`` on the step a load starts from (resolver.py); the tier
-        is this store (a tiered store also offers its local tier: tiered.py)."""
-        return self._resolver.resolve(step, fallback, lambda info: action(info, self))
+        """Run ``action(info, tier)`` on the step a load starts from (resolver.py), by the
+        load's deadline; the tier is this store (a tiered store has a local one: tiered.py)."""
+        with within(self.options.load_timeout, operation="load"):
+            return self._resolver.resolve(step, fallback, lambda info: action(info, self))
 
     def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
         """One payload file of a committed step, verified against its manifest."""

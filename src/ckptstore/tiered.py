@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptstore.background import SaveHandle
+from ckptstore.deadline import within
 from ckptstore.errors import NotFoundError
 from ckptstore.info import CheckpointInfo
 from ckptstore.options import StoreOptions
@@ -159,7 +160,11 @@ class TieredStore(CheckpointStore):
     ) -> Resolved[T]:
         tiers = (self.local, self)
         resolvers = [self.local.resolver, self.resolver]
-        return resolve_tiers(resolvers, step, fallback, lambda info, i: action(info, tiers[i]))
+        with within(self.options.load_timeout, operation="load"):
+            return resolve_tiers(resolvers, step, fallback, lambda info, i: action(info, tiers[i]))
+
+
+CheckpointStore.tiered = TieredStore
 
 
 def local_options(durable: StoreOptions) -> StoreOptions:

@@ -18,21 +18,39 @@ the last durable one; :class:`~ckptstore.observer.PersistStats` reports that lag
 
 from __future__ import annotations
 
+import builtins
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import InitVar, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptstore.errors import CheckpointError, ConfigError, NotFoundError
 from ckptstore.observer import PersistStats, SaveObserver, TierObserver
 
 if TYPE_CHECKING:
-    from ckptstore.info import SaveStats
-    from ckptstore.store import CheckpointStore
+    from ckptstore.info import CheckpointInfo, SaveStats
+
+
+class Tier(Protocol):
+    """What the persister uses of each tier (a CheckpointStore)."""
+
+    @property
+    def uri(self) -> str: ...
+
+    def info(self, step: int) -> CheckpointInfo: ...
+
+    def pin(self, step: int) -> None: ...
+
+    def unpin(self, step: int) -> bool: ...
+
+    def pins(self) -> builtins.list[int]: ...
+
+    def copy_to(self, other: Any, steps: Iterable[int] | None = None) -> Any: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +103,7 @@ class Persister:
 
     def __init__(
         self,
-        durable: CheckpointStore,
+        durable: Tier,
         durable_holds: Callable[[int], bool],
         policy: PersistPolicy,
         observer: SaveObserver | None,
@@ -98,7 +116,7 @@ class Persister:
         self.policy = policy
         self.observer = observer
         self.clock = clock
-        self.local: CheckpointStore | None = None
+        self.local: Tier | None = None
         """Set once the local tier is open (it is built with this as its observer)."""
         self._forced: set[int] = set()
         self._saves_since = 0
@@ -230,7 +248,7 @@ class Persister:
         finally:
             self._pool.shutdown(wait=True)
 
-    def _local(self) -> CheckpointStore:
+    def _local(self) -> Tier:
         if self.local is None:
             raise CheckpointError("the local tier is not open")
         return self.local

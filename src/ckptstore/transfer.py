@@ -37,6 +37,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ckptstore.backends.fsutil import fsync_dir, temp_name
+from ckptstore.deadline import submit
 from ckptstore.errors import ConfigError, CorruptCheckpointError
 from ckptstore.manifest import FileEntry
 
@@ -215,7 +216,7 @@ def _fetch_all(
 
     pool = ThreadPoolExecutor(PULL_WORKERS, thread_name_prefix="ckpt-pull")
     try:
-        for done in as_completed([pool.submit(one, e) for e in entries]):
+        for done in as_completed([submit(pool, one, e) for e in entries]):
             done.result()  # the first failure, before stop makes the others fail too
     except BaseException:
         stop.set()
@@ -387,7 +388,7 @@ class ChunkReader:
                     raise PullStopped
                 # read ahead while slots are free; wait for one only with nothing in flight
                 while upcoming is not None and self._take_slot(wait=not pending):
-                    pending.append(self._pool.submit(self._read, *upcoming))
+                    pending.append(submit(self._pool, self._read, *upcoming))
                     upcoming = next(todo, None)
                 future = pending.popleft()
                 try:

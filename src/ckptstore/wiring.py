@@ -89,7 +89,7 @@ def assemble(
     in_flight = AsyncSaver()
     saver = Saver(
         catalog, committer, remover, lease, pruner.after_save, environment, clock,
-        options.incremental, options.shard_size, in_flight.drain, observer,
+        options.incremental, options.shard_size, in_flight.drain, observer, options.save_timeout,
     )  # fmt: skip
     return Parts(
         writer, signer, catalog, remover, committer, resolver, lease, pruner, maintenance,

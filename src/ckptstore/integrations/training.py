@@ -68,6 +68,7 @@ from ckptstore.integrations.training_state import (
     set_rng_state,
     training_state,
 )
+from ckptstore.tiered import TieredStore
 
 if TYPE_CHECKING:
     from ckptstore.background import SaveHandle
@@ -87,8 +88,10 @@ class CheckpointCallback:
 
     Scheduled saves run in the background by default (the loop waits only for the copy of the
     tensors; with ``overlap=True``, only for the part of that copy not done when the optimizer
-    next steps, see ``CheckpointStore.save_async``); a failed save is raised by the next one,
-    or by ``close()`` / ``store.wait()``.
+    next steps, see ``CheckpointStore.save_async``). A save that fails (or times out: the
+    store's ``save_timeout``) does not stop training: it is logged and counted (the store's
+    observer and metrics see it), and the next save goes ahead; ``max_failed_saves`` failures
+    in a row raise, at a step boundary, so a scheduler sees the job fail.
     Preemption and end-of-training saves are synchronous. The store's retention applies after
     each commit. See the module docstring for the policy.
     """
@@ -104,6 +107,7 @@ class CheckpointCallback:
         should_save: ShouldSave | None = None,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
         clock: Callable[[], float] = time.monotonic,
+        max_failed_saves: int = 3,
     ) -> None:
         if save_freq is not None and (
             isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
@@ -118,7 +122,19 @@ class CheckpointCallback:
                 "save_interval_seconds must be a positive number of seconds, got "
                 f"{save_interval_seconds!r}"
             )
+        if (
+            isinstance(max_failed_saves, bool)
+            or not isinstance(max_failed_saves, int)
+            or (max_failed_saves < 1)
+        ):
+            raise ConfigError(
+                f"max_failed_saves must be a positive number of saves, got {max_failed_saves!r}"
+            )
         self.store = store
+        self.max_failed_saves = max_failed_saves
+        self.failed_saves = 0
+        """Saves that failed in a row (reset by a save that commits)."""
+        self._in_flight: SaveHandle[CheckpointInfo] | None = None
         self.save_freq = save_freq
         self.save_interval_seconds = save_interval_seconds
         self.should_save = should_save
@@ -173,6 +189,7 @@ class CheckpointCallback:
         metrics: Mapping[str, Any] | None = None,
     ) -> CheckpointInfo | None:
         """Save ``step`` and wait for its commit, unless it is committed already (None)."""
+        self._hear_of_the_save_in_flight()
         if self._already_saved(step):
             return None
         return self._sync(step, (model, optimizer, scheduler, extra), metrics, "end")
@@ -186,7 +203,7 @@ class CheckpointCallback:
         extra: Mapping[str, Any] | None = None,
         *,
         metrics: Mapping[str, Any] | None = None,
-    ) -> SaveHandle[CheckpointInfo] | CheckpointInfo:
+    ) -> SaveHandle[CheckpointInfo] | CheckpointInfo | None:
         """Save now, whatever the policy (``reason: "manual"``)."""
         return self._save(step, (model, optimizer, scheduler, extra), metrics, "manual", False)
 
@@ -241,22 +258,67 @@ class CheckpointCallback:
         metrics: Mapping[str, Any] | None,
         reason: str,
         sync: bool,
-    ) -> SaveHandle[CheckpointInfo] | CheckpointInfo:
+    ) -> SaveHandle[CheckpointInfo] | CheckpointInfo | None:
+        self._hear_of_the_save_in_flight()
         if sync or not self.async_save:
             return self._sync(step, objects, metrics, reason)
         overlap: bool | torch.optim.Optimizer = False
         if self.overlap and isinstance(objects[1], torch.optim.Optimizer):
             overlap = objects[1]  # a Stateful of another kind: the blocking copy
-        handle = self.store.save_async(
+        handle = self._in_flight = self.store.save_async(
             step, training_state(*objects), _metadata(metrics, reason), overlap=overlap
         )
         self._saved(step)
         return handle
 
+    def _hear_of_the_save_in_flight(self) -> None:
+        """How the last background save ended: counted if it failed (module docstring)."""
+        handle, self._in_flight = self._in_flight, None
+        if handle is None:
+            return
+        try:
+            handle.wait()
+        except CheckpointError as e:
+            self._failed(handle.step, e)
+        else:
+            self.failed_saves = 0
+
+    def _failed(self, step: int, error: CheckpointError) -> None:
+        self.failed_saves += 1
+        log.error(
+            "%s: the save of step %d failed (%d in a row; training goes on, and stops after "
+            "%d): %s",
+            self.store.uri,
+            step,
+            self.failed_saves,
+            self.max_failed_saves,
+            error,
+        )
+        if self.failed_saves >= self.max_failed_saves:
+            raise CheckpointError(
+                f"{self.store.uri}: {self.failed_saves} saves in a row failed, the last one of "
+                f"step {step}: {error}. Stopping, so the scheduler sees it: check the storage "
+                "(ckptstore verify, the endpoint, credentials, free space)",
+                uri=self.store.uri,
+                step=step,
+            ) from error
+
     def _sync(
         self, step: int, objects: _Objects, metrics: Mapping[str, Any] | None, reason: str
-    ) -> CheckpointInfo:
-        info = self.store.save(step, training_state(*objects), _metadata(metrics, reason))
+    ) -> CheckpointInfo | None:
+        state, meta = training_state(*objects), _metadata(metrics, reason)
+        last = reason in ("end", "preempted")
+        try:
+            if last and isinstance(self.store, TieredStore):  # to the durable tier, whatever
+                info = self.store.save(step, state, meta, persist=True)  # persist_every says
+            else:
+                info = self.store.save(step, state, meta)
+        except CheckpointError as e:
+            self._failed(step, e)
+            if last:
+                raise  # the last save of the run: nothing comes after to make up for it
+            return None
+        self.failed_saves = 0
         self._saved(step)
         return info
 

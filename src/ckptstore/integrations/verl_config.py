@@ -25,6 +25,7 @@ UPLOAD_MODES = ("auto", "driver", "per_node")
 STORE_KEYS = (
     "keep_last", "keep_every", "keep_best", "best_metric", "best_mode", "keep_every_seconds",
     "storage_options", "compat", "incremental", "lease", "takeover", "lease_ttl", "save_timeout",
+    "load_timeout",
 )  # fmt: skip
 """The :class:`~ckptstore.options.StoreOptions` a verl config may set (policy objects and the
 signing key stay out of YAML: set the key in the environment)."""
