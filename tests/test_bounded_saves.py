@@ -193,3 +193,29 @@ def test_the_callback_goes_on_after_a_failed_save_and_stops_after_three_in_a_row
     callback.close()
     assert [i.step for i in flaky.store.list()] == [3]
     flaky.store.close()
+
+
+def test_cli_push_with_a_save_timeout_fails_by_it_and_commits_nothing(
+    proxy: FaultProxy,
+    s3_uri: str,
+    s3_client: Any,
+    s3_bucket: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ckptstore.cli.main import run
+
+    folder = tmp_path / "global_step_2"
+    folder.mkdir()
+    (folder / "data.pt").write_bytes(b"x" * (6 * MiB))
+    proxy.add_fault(Fault.stall(glob=PAYLOAD_OF_STEP_2))
+    args = ["push", str(folder), s3_uri, "2", "--save-timeout", str(SAVE_TIMEOUT)]
+    args += ["--endpoint-url", proxy.endpoint_url, "-o", "part_size=5242880"]
+    args += ["-o", "stall_timeout=0.5"]
+    started = time.monotonic()
+    assert run(args) == 6  # a storage error: the storage was too slow for the deadline
+    assert time.monotonic() - started < SAVE_TIMEOUT + MARGIN
+    assert "deadline" in capsys.readouterr().err
+    assert open_uploads(s3_client, s3_bucket) == []
+    with CheckpointStore(s3_uri, storage_options={"endpoint_url": proxy.endpoint_url}) as store:
+        assert store.list() == []

@@ -21,6 +21,7 @@ import pytest
 from ckptstore import CheckpointStore
 from ckptstore.errors import (
     BackendError,
+    CheckpointError,
     ConfigError,
     ConflictError,
     CorruptCheckpointError,
@@ -564,3 +565,20 @@ def test_a_local_step_newer_than_the_store_resumes_only_if_every_node_holds_it(
 def test_persist_every_is_checked_at_start(tmp_path: Path, uri: str) -> None:
     with pytest.raises(ConfigError, match=r"trainer\.ckptstore\.persist_every must be a positive"):
         VerlStoreConfig.from_verl(verl_config(tmp_path, uri, persist_every=0))
+
+
+def test_a_failed_commit_lets_training_go_on_and_three_in_a_row_stop_it(
+    tmp_path: Path, uri: str
+) -> None:
+    nodes, fleet = two_nodes(tmp_path, uri)
+    cb = callback(verl_config(nodes[0], uri), fleet)
+    for step in (1, 2):  # verl wrote nothing there: nothing can be committed
+        cb.on_save(global_step=step, checkpoint_dir=str(nodes[0] / f"global_step_{step}"))
+    fake_save(nodes, 3)
+    cb.on_save(global_step=3, checkpoint_dir=str(nodes[0] / "global_step_3"))
+    assert [i.step for i in cb.store.list()] == [3]  # the count starts again from here
+    for step in (4, 5):
+        cb.on_save(global_step=step, checkpoint_dir=str(nodes[0] / f"global_step_{step}"))
+    with pytest.raises(CheckpointError, match="3 verl saves in a row could not be committed"):
+        cb.on_save(global_step=6, checkpoint_dir=str(nodes[0] / "global_step_6"))
+    cb.close()

@@ -195,7 +195,9 @@ def retention_of(ctx: click.Context) -> dict[str, Any]:
     return retention
 
 
-def _on_retention(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+def on_store_option(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """Keep an option of the destination store (retention, ``--save-timeout``) for
+    :func:`retention_of`, by its StoreOptions name."""
     if value is not None and param.name is not None:
         retention_of(ctx)[param.name] = value
 
@@ -233,7 +235,7 @@ def retention_options(f: F) -> F:
             type=kind,
             metavar=metavar,
             expose_value=False,
-            callback=_on_retention,
+            callback=on_store_option,
             help=f"Retention: {text}",
         )(f)
     return f

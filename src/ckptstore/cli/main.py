@@ -65,6 +65,7 @@ from ckptstore.errors import (
     ConfigError,
     ConflictError,
     CorruptCheckpointError,
+    DeadlineExceededError,
     IncompleteCheckpointError,
     NotFoundError,
     SerializationError,
@@ -81,6 +82,7 @@ EXIT_CODES: tuple[tuple[type[CheckpointError], int], ...] = (
     (IncompleteCheckpointError, EXIT_VERIFY),
     (ConflictError, EXIT_CONFLICT),
     (BackendError, EXIT_BACKEND),  # AccessDeniedError included
+    (DeadlineExceededError, EXIT_BACKEND),  # the storage too slow for --save-timeout
     (CompatibilityError, EXIT_COMPAT),
     (CheckpointError, EXIT_UNEXPECTED),
 )
@@ -93,7 +95,7 @@ Exit codes:
   3    not found (no such step, or an empty store)
   4    verification failed: corrupt or incomplete checkpoint
   5    conflict (step exists, is latest or pinned, lost a race)
-  6    storage error (backend failure, access denied)
+  6    storage error (backend failure, access denied, --save-timeout passed)
   7    compatibility (versions refused under --compat strict, or a newer ckptstore's step)
   8    signed steps whose signature was not checked (no key): verify and show
   130  interrupted

@@ -30,6 +30,7 @@ from ckptstore.cli.common import (
     common_options,
     emit,
     empty_store,
+    on_store_option,
     open_store,
     parse_pair,
     resolve_step,
@@ -94,7 +95,17 @@ def progress_bar(total: int | None, desc: str, show: bool | None) -> Iterator[Pr
 
 
 def writer_options(f: F) -> F:
-    """Options of the commands that commit steps: retention, and the writer lease."""
+    """Options of the commands that commit steps: retention, the save's deadline (kept with the
+    retention options: both are the destination store's options), and the writer lease."""
+    f = click.option(
+        "--save-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="SECONDS",
+        expose_value=False,
+        callback=on_store_option,
+        help="Fail a step's save (push, copy) that takes longer, leaving nothing committed "
+        "and no upload open; default: no deadline.",
+    )(f)
     f = click.option(
         "--takeover",
         is_flag=True,

@@ -41,6 +41,7 @@ from importlib import metadata as importlib_metadata
 from typing import Any
 
 from ckptstore import layout
+from ckptstore.deadline import within
 from ckptstore.errors import (
     CheckpointError,
     CompatibilityError,
@@ -115,6 +116,8 @@ class CkptstoreCallback:
         self._replace: set[int] = set()
         self._saves_since = 0
         """verl saves since the last one committed to the store (``persist_every``)."""
+        self._failures = 0
+        """Commits that failed in a row (``max_failed_saves``)."""
         self.store.hold_lease()  # fail now, not at the first save hours later
         self.resume = Resume(None, "disabled")
         if self.settings.resume:
@@ -166,14 +169,35 @@ class CkptstoreCallback:
             "global_step": step,
             **self.run.names,
         }
-        info = commit_step(
-            self.store, self.fleet, step, metadata=meta, world_size=self.run.world_size
-        )
+        try:
+            info = commit_step(
+                self.store, self.fleet, step, metadata=meta, world_size=self.run.world_size
+            )
+        except CheckpointError as e:
+            self._failed(step, e)
+            return  # training goes on; the next save is due at once (persist_every)
+        self._failures = 0
         self._saves_since = 0
         self._replace.discard(step)
         log.info("ckptstore: committed %s", info.uri)
         if self.settings.prune_local and self.run.keep_local:
             self._prune_local(step, self.run.keep_local)
+
+    def _failed(self, step: int, error: CheckpointError) -> None:
+        """A commit failed: log and count it; ``max_failed_saves`` in a row raise."""
+        self._failures += 1
+        limit = self.settings.max_failed_saves
+        log.error("ckptstore: step %d was not committed to %s (%d failure(s) in a row; training "
+                  "goes on, and stops after %d): %s", step, self.store.uri, self._failures,
+                  limit, error)  # fmt: skip
+        if self._failures >= limit:
+            raise CheckpointError(
+                f"{self.store.uri}: {self._failures} verl saves in a row could not be committed, "
+                f"the last one step {step}: {error}. Stopping, so the scheduler sees it: check "
+                "the storage (endpoint, credentials, trainer.ckptstore.save_timeout)",
+                uri=self.store.uri,
+                step=step,
+            ) from error
 
     def _prune_local(self, step: int, keep: int) -> None:
         nodes = self.fleet.nodes()
@@ -204,6 +228,17 @@ def commit_step(
     """Commit ``global_step_<step>`` as held by the nodes of ``fleet``: the coordinated save
     (coordination.py) with the driver as coordinator and one participant per node; nothing
     committed on failure."""
+    with within(store.options.save_timeout):
+        return _commit_step(store, fleet, step, metadata, world_size)
+
+
+def _commit_step(
+    store: CheckpointStore,
+    fleet: Fleet,
+    step: int,
+    metadata: Mapping[str, Any] | None,
+    world_size: int | None,
+) -> CheckpointInfo:
     coordinator = store.begin_save(step, kind=KIND_DIRECTORY, metadata=metadata)
     nodes = fleet.nodes()
     shares = assign_files(fleet.call("list_step", {n: (step,) for n in nodes}), step)

@@ -29,7 +29,7 @@ STORE_KEYS = (
 )  # fmt: skip
 """The :class:`~ckptstore.options.StoreOptions` a verl config may set (policy objects and the
 signing key stay out of YAML: set the key in the environment)."""
-VERL_KEYS = ("uri", "resume", "upload", "prune_local", "persist_every")
+VERL_KEYS = ("uri", "resume", "upload", "prune_local", "persist_every", "max_failed_saves")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class VerlStoreConfig:
     persist_every: int | None = None
     """Commit every this many verl saves to the store (and the last step of training); the
     others stay in ``trainer.default_local_dir``, verl's own local tier."""
+    max_failed_saves: int = 3
+    """A commit that fails is logged and training goes on; this many in a row raise."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str) or not self.uri.strip():
@@ -63,6 +65,12 @@ class VerlStoreConfig:
                     uri=self.uri,
                 )
         self.persist_policy  # noqa: B018 - validates persist_every, naming it as verl's key
+        failed = self.max_failed_saves
+        if isinstance(failed, bool) or not isinstance(failed, int) or failed < 1:
+            raise ConfigError(
+                f"{SECTION}.max_failed_saves must be a positive integer, got {failed!r}",
+                uri=self.uri,
+            )
         if self.upload not in UPLOAD_MODES:
             raise ConfigError(
                 f"{SECTION}.upload must be one of {', '.join(UPLOAD_MODES)}, got {self.upload!r}",

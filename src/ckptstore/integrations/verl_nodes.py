@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from ckptstore import layout
 from ckptstore.backends.fsutil import TMP_PREFIX, atomic_write, temp_name
 from ckptstore.coordination import Plan, Staged
+from ckptstore.deadline import current_deadline
 from ckptstore.errors import (
     BackendError,
     CheckpointError,
@@ -278,9 +279,11 @@ class RayFleet:
         futures = {node: getattr(self._actors[node], method).remote(*a) for node, a in args.items()}
         results: dict[str, Any] = {}
         errors: list[CheckpointError] = []
+        deadline = current_deadline()
         for node, future in futures.items():  # wait for all: no node still uploads after a raise
-            try:
-                results[node] = self._ray.get(future)
+            try:  # by the save's deadline, if one is in force
+                wait = deadline.remaining() if deadline is not None else None
+                results[node] = self._ray.get(future, timeout=wait)
             except self._ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
                 errors.append(
@@ -290,6 +293,9 @@ class RayFleet:
                         f"the ckptstore agent on node {node} failed: {e}", uri=self._spec[1]
                     )
                 )
+            except self._ray.exceptions.GetTimeoutError as e:
+                assert deadline is not None  # ray.get times out only when given a timeout
+                errors.append(deadline.error(f"the agent on node {node}", last_error=str(e)))
             except self._ray.exceptions.RayActorError as e:
                 del self._actors[node]
                 errors.append(
