@@ -224,10 +224,11 @@ def test_each_node_uploads_its_files_and_one_step_commits(tmp_path: Path, uri: s
 def test_a_node_without_agent_commits_nothing(tmp_path: Path, uri: str) -> None:
     nodes, _ = two_nodes(tmp_path, uri)
     only_driver = LocalFleet({"n0": NodeAgent(str(nodes[0]), uri, {})})
-    cb = callback(verl_config(nodes[0], uri), only_driver)
+    cb = callback(verl_config(nodes[0], uri, max_failed_saves=1), only_driver)
     fake_save(nodes, 1)
-    with pytest.raises(IncompleteCheckpointError, match=r"rank\(s\) 1 on every node"):
+    with pytest.raises(CheckpointError, match=r"rank\(s\) 1 on every node") as caught:
         cb.on_save(global_step=1, checkpoint_dir=str(nodes[0] / "global_step_1"))
+    assert isinstance(caught.value.__cause__, IncompleteCheckpointError)
     with CheckpointStore(uri, lease=False) as store:
         assert store.list() == []
     cb.close()
@@ -237,7 +238,7 @@ def test_a_failing_node_commits_nothing_and_leaves_no_staged_files(
     tmp_path: Path, uri: str
 ) -> None:
     nodes, fleet = two_nodes(tmp_path, uri)
-    cb = callback(verl_config(nodes[0], uri), fleet)
+    cb = callback(verl_config(nodes[0], uri, max_failed_saves=1), fleet)
     fake_save(nodes, 1)
 
     class Broken(NodeAgent):
@@ -246,8 +247,9 @@ def test_a_failing_node_commits_nothing_and_leaves_no_staged_files(
 
     broken = LocalFleet({"n0": NodeAgent(str(nodes[0]), uri, {}), "n1": Broken(str(nodes[1]), uri)})
     cb._fleet = broken
-    with pytest.raises(BackendError, match="lost its network"):
+    with pytest.raises(CheckpointError, match="lost its network") as caught:
         cb.on_save(global_step=1, checkpoint_dir=str(nodes[0] / "global_step_1"))
+    assert isinstance(caught.value.__cause__, BackendError)
     assert not (Path(uri) / "global_step_1").exists()  # node 0's staged files discarded
     cb.close()
 
