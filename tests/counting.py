@@ -3,20 +3,59 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ckptstore import layout
-from ckptstore.backends.base import Backend, BackendProxy, ObjectInfo
+from ckptstore.backends.base import Backend, BackendProxy, Chunk, ObjectInfo
 
 
 class CountingBackend(BackendProxy):
     """Counts reads by what they read (``manifest GET``, ``pointer GET``, ``other GET``) and
-    listings (``LIST``, ``LIST dirs``); ``heads=True`` counts ``stat`` calls as ``HEAD`` too."""
+    listings (``LIST``, ``LIST dirs``); ``heads=True`` counts ``stat`` calls as ``HEAD`` too,
+    ``writes=True`` every write by what it writes (``lease write``, ``pointer write``,
+    ``manifest write``, ``marker write``, ``payload write``, ``copy``, ``DELETE``)."""
 
-    def __init__(self, inner: Backend, *, heads: bool = False) -> None:
+    def __init__(self, inner: Backend, *, heads: bool = False, writes: bool = False) -> None:
         super().__init__(inner)
         self.calls: Counter[str] = Counter()
         self._heads = heads
+        self._writes = writes
+
+    def _count_write(self, path: str) -> None:
+        if not self._writes:
+            return
+        if path == layout.LEASE_NAME:
+            self.calls["lease write"] += 1
+        elif path == layout.LATEST_NAME:
+            self.calls["pointer write"] += 1
+        elif path.endswith("/" + layout.MANIFEST_NAME):
+            self.calls["manifest write"] += 1
+        elif path.endswith("/" + layout.ATTEMPT_MARKER):
+            self.calls["marker write"] += 1
+        else:
+            self.calls["payload write"] += 1
+
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        self._count_write(path)
+        return super().write(path, chunks)
+
+    def create(self, path: str, data: bytes) -> None:
+        self._count_write(path)
+        super().create(path, data)
+
+    def swap(self, path: str, data: bytes, expected: str | None) -> str:
+        self._count_write(path)
+        return super().swap(path, data, expected)
+
+    def copy(self, src: str, dst: str) -> None:
+        if self._writes:
+            self.calls["copy"] += 1
+        super().copy(src, dst)
+
+    def delete(self, paths: Sequence[str]) -> None:
+        if self._writes:
+            self.calls["DELETE"] += len(paths)
+        super().delete(paths)
 
     def _count_read(self, path: str) -> None:
         if path.endswith("/" + layout.MANIFEST_NAME):

@@ -229,3 +229,38 @@ def test_gc_lists_the_store_once_and_reads_no_clean_manifest(big_store: Path) ->
     assert calls["manifest GET"] == 0 and calls["LIST dirs"] == 0, calls
     assert calls["LIST"] == 1, calls
     assert sum(calls.values()) <= 2, calls  # and the lease, to see whether a save is in flight
+
+
+# -- what a save writes ---------------------------------------------------------------------
+
+
+def test_a_steady_save_costs_one_lease_write_and_these_requests(tmp_path: Path) -> None:
+    """The README's request-cost table, pinned: a save of N files in a process that holds the
+    lease already writes N + 1 (files, attempt marker), the manifest, the pointer and one
+    lease renewal (the fence check right before the commit), and reads the step's key, the
+    pointer twice (the save's begin, the pointer's compare-and-swap), the previous manifest
+    (incremental) and one listing (confirming the files)."""
+    backend = CountingBackend(LocalBackend(str(tmp_path / "store"), {}), heads=True, writes=True)
+    store = CheckpointStore(str(tmp_path / "store"), backend=backend)
+    state = {"a": torch.ones(4), "b": torch.zeros(8)}
+    store.save(1, state)  # takes the lease, probes, writes the first step
+    backend.take()
+    info = store.save(2, {"a": torch.full((4,), 2.0), "b": torch.zeros(8)})
+    calls = backend.take()
+    files = len(info.files)
+    copied = sum(1 for f in info.files if f.copied_from is not None)
+    assert calls == Counter(
+        {
+            "payload write": files - copied,
+            "copy": copied,
+            "marker write": 1,
+            "manifest write": 1,
+            "pointer write": 1,
+            "lease write": 1,
+            "HEAD": 1,
+            "pointer GET": 2,
+            "manifest GET": 1,
+            "LIST": 1,
+        }
+    ), calls
+    store.close()

@@ -78,6 +78,8 @@ class Saver(Protocol):
 
     def hold_lease(self) -> int: ...
 
+    def ensure_lease(self) -> int: ...
+
     def saved(self, stats: SaveStats) -> None:
         """After a commit moved ``latest``: log, tell the observer, apply retention."""
         ...
@@ -185,7 +187,7 @@ class Coordinator:
         started = time.perf_counter()
         user_metadata = check_metadata(metadata)
         saver.drain()
-        epoch = saver.hold_lease()
+        epoch = saver.ensure_lease()  # fail before any upload if another writer holds it
         _check_step_is_free(saver, step)
         latest_step, manifest = _latest_read(saver, kind)
         if not allow_older:

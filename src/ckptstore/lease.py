@@ -145,6 +145,20 @@ class WriterLease:
             assert self.epoch is not None
             return self.epoch
 
+    def ensure(self) -> int:
+        """Take the lease if this writer does not hold it, else only check that it was not
+        lost (no write: the renewal right before a commit, ``hold``, is the fence check, so a
+        save costs one lease write). Returns the epoch."""
+        with self._lock:
+            if self.epoch is None or os.getpid() != self._owner_pid:
+                pass  # hold() takes it, or refuses a forked child, with its own messages
+            elif self.lost is not None:
+                raise FencedError(self.lost, **self._context)
+            else:
+                self._check_silence(self.monotonic())
+                return self.epoch
+        return self.hold()
+
     def heartbeat(self) -> bool:
         """One renewal (what the heartbeat thread does every ``ttl / 4``); False once the lease
         is lost or not held."""

@@ -68,6 +68,10 @@ class Saver:
         """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""
         return self.lease.hold() if self.lease is not None else 0
 
+    def ensure_lease(self) -> int:
+        """Take the writer lease if not held, without renewing it (lease.py); the epoch."""
+        return self.lease.ensure() if self.lease is not None else 0
+
     def begin(
         self,
         step: int,
