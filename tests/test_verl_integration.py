@@ -479,7 +479,7 @@ def test_ray_nodes_without_shared_storage_upload_and_pull_their_own_files(
     monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
 
     from ckptstore.errors import NotFoundError
-    from ckptstore.integrations.verl import _make_fleet
+    from ckptstore.integrations.verl_nodes import make_fleet
     from ckptstore.integrations.verl_nodes import RayFleet
 
     ray.cloudpickle.register_pickle_by_value(verl_ranks)  # workers cannot import tests/
@@ -498,7 +498,7 @@ def test_ray_nodes_without_shared_storage_upload_and_pull_their_own_files(
         config = verl_config(disks[0], s3_uri, storage_options=s3_options)
         settings, run = VerlStoreConfig.from_verl(config), VerlRun.from_verl(config)
         with CheckpointStore(s3_uri, storage_options=s3_options, lease=False) as store:
-            assert isinstance(_make_fleet(settings, run, store), RayFleet)  # auto: 2 nodes
+            assert isinstance(make_fleet(settings, run, store), RayFleet)  # auto: 2 nodes
 
         cb = CkptstoreCallback(config, store=settings.open(), fleet=fleet)
         fake_save(disks, 1)

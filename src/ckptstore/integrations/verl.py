@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib import metadata as importlib_metadata
 from typing import Any
 
@@ -44,11 +43,7 @@ from ckptstore import layout
 from ckptstore.deadline import within
 from ckptstore.errors import (
     CheckpointError,
-    CompatibilityError,
     ConfigError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    NotFoundError,
 )
 from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.verl_config import (
@@ -56,32 +51,13 @@ from ckptstore.integrations.verl_config import (
     UPLOAD_MODES,
     VerlRun,
     VerlStoreConfig,
-    config_set,
 )
-from ckptstore.integrations.verl_nodes import (
-    Fleet,
-    LocalFleet,
-    NodeAgent,
-    RayFleet,
-    assign_files,
-    check_complete,
-)
+from ckptstore.integrations.verl_nodes import Fleet, assign_files, check_complete, make_fleet
+from ckptstore.integrations.verl_resume import Resume, prepare, prepare_resume
 from ckptstore.manifest import KIND_DIRECTORY
 from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Resume:
-    """What :func:`prepare_resume` did: the step verl will load (None: from scratch or verl's
-    own choice), where it came from, and newer store steps that failed verification."""
-
-    step: int | None
-    source: str
-    skipped: tuple[int, ...] = ()
-    resharded_from: int | None = None
-    """The world size the step was saved on, when it was resharded for this job's."""
 
 
 class CkptstoreCallback:
@@ -121,13 +97,13 @@ class CkptstoreCallback:
         self.store.hold_lease()  # fail now, not at the first save hours later
         self.resume = Resume(None, "disabled")
         if self.settings.resume:
-            self.resume = _prepare(config, self.run, self.store, self.fleet)
+            self.resume = prepare(config, self.run, self.store, self.fleet)
             self._replace.update(self.resume.skipped)
 
     @property
     def fleet(self) -> Fleet:
         if self._fleet is None:
-            self._fleet = _make_fleet(self.settings, self.run, self.store)
+            self._fleet = make_fleet(self.settings, self.run, self.store)
         return self._fleet
 
     def on_save(
@@ -251,189 +227,6 @@ def _commit_step(
         raise
     named = [replace(report, participant=f"node {node}") for node, report in reports.items()]
     return coordinator.conclude(named, world_size=world_size, coordinator="the driver")
-
-
-def prepare_resume(
-    config: Any, *, store: CheckpointStore | None = None, fleet: Fleet | None = None
-) -> Resume:
-    """The resume half alone, for entry points that do not use :class:`CkptstoreCallback`
-    (call it before the trainer loads). Reads only; the store is opened without the lease."""
-    settings = VerlStoreConfig.from_verl(config)
-    run = VerlRun.from_verl(config)
-    own = store is None
-    opened = (
-        store
-        if store is not None
-        else CheckpointStore(settings.uri, storage_options=settings.storage_options, lease=False)
-    )
-    try:
-        return _prepare(config, run, opened, fleet or _make_fleet(settings, run, opened))
-    finally:
-        if own:
-            opened.close()
-
-
-def _prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) -> Resume:
-    if run.resume_mode == "disable":
-        return Resume(None, "disabled")
-    if run.resume_mode == "resume_path":
-        return _resume_path(config, run, store, fleet)
-    if run.resume_mode != "auto":
-        raise ConfigError(
-            f"trainer.resume_mode must be auto, disable or resume_path, got {run.resume_mode!r}"
-        )
-    step, skipped, source = _choose(run, store, fleet)
-    if step is None:
-        log.info("%s holds no checkpoint and %s none: training starts from step 0", store.uri,
-                 run.local_dir)  # fmt: skip
-        return Resume(None, "scratch")
-    others = [n for n in fleet.nodes() if n != fleet.driver]
-    pulled = source == "store" or _committed(store, step)
-    if pulled:
-        fleet.call("sync", {n: (step,) for n in others})
-    resharded = _reshard(fleet, run, step)
-    if pulled:
-        _everywhere(fleet, "write_tracker", (step,))
-    if skipped:
-        log.warning(
-            "resuming from step %s: newer step(s) %s of %s failed verification and will be "
-            "replaced when training saves them again",
-            step,
-            ", ".join(map(str, skipped)),
-            store.uri,
-        )
-    log.info("ckptstore: verl resumes from step %s (%s)", step, source)
-    return Resume(step, source, skipped, resharded)
-
-
-def _resume_path(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) -> Resume:
-    step = _store_step(run.resume_from_path, store.uri)
-    if step is None:
-        return Resume(None, "local")  # a local path: verl loads it as usual
-    _everywhere(fleet, "sync", (step,))  # an explicit step: no fallback
-    resharded = _reshard(fleet, run, step)
-    _everywhere(fleet, "write_tracker", (step,))
-    local_copy = os.path.join(run.local_dir, layout.step_dir(step))
-    config_set(config, "trainer.resume_from_path", local_copy)
-    return Resume(step, "store", resharded_from=resharded)
-
-
-def _choose(
-    run: VerlRun, store: CheckpointStore, fleet: Fleet
-) -> tuple[int | None, tuple[int, ...], str]:
-    """The step to resume from, the store's newer steps skipped, and where it comes from:
-    the store's newest step that verifies (the resolver, on the driver's node), unless the
-    local disks hold a newer one, whole on every node (a local tier: steps saved between
-    ``persist_every`` uploads); never nothing when the store holds steps."""
-    driver = fleet.driver
-    local = fleet.call("tracked_step", {driver: ()})[driver]
-    if (
-        local is not None
-        and not _committed(store, local)
-        and not _whole_on_every_node(fleet, local)
-    ):
-        local = None  # a node lost its part, and the store has no copy to sync it from
-    try:
-        latest = store.latest()  # the resolver (resolver.py): None only for an empty store
-    except (CorruptCheckpointError, CompatibilityError) as e:
-        if local is None:
-            raise  # never a silent start from step 0
-        log.warning("%s; resuming from local step %d", e, local)
-        return local, (), "local"
-    if latest is None:
-        return local, (), "local"
-    try:  # the driver's node pulls the step the resolver picks, newer than the local one
-        step, skipped = fleet.call("pull_newest", {driver: (local,)})[driver]
-        return step, skipped, "store"
-    except NotFoundError:
-        log.info("%s holds no step newer than local step %s; resuming from it", store.uri, local)
-    except (CorruptCheckpointError, CompatibilityError) as e:
-        if local is None:
-            raise  # never a silent start from step 0
-        log.warning("no step of %s newer than local step %d loads (%s); resuming from it",
-                    store.uri, local, e)  # fmt: skip
-    return local, (), "local"
-
-
-def _whole_on_every_node(fleet: Fleet, step: int) -> bool:
-    """Whether the nodes together hold every file of local step ``step`` (decided from every
-    node's listing: a step only some ranks can load is no step to resume from)."""
-    listings = fleet.call("list_step", {n: (step,) for n in fleet.nodes()})
-    try:
-        check_complete([path for held in listings.values() for path, _ in held], step)
-    except IncompleteCheckpointError as e:
-        log.warning("local step %d cannot be resumed on this cluster: %s", step, e)
-        return False
-    return True
-
-
-def _committed(store: CheckpointStore, step: int) -> bool:
-    try:
-        store.info(step)
-    except NotFoundError:
-        return False
-    return True
-
-
-def _reshard(fleet: Fleet, run: VerlRun, step: int) -> int | None:
-    """Reshard ``global_step_<step>`` on every node for this job's ``nnodes x
-    n_gpus_per_node`` ranks if it was saved on another number (before the tracker names it,
-    so an interrupted reshard never looks like a checkpoint); the world size it had, or None."""
-    if run.world_size is None:
-        return None
-    found = {w for w in _everywhere(fleet, "reshard", (step, run.world_size)).values() if w}
-    if found:
-        log.warning(
-            "step %d was saved on %s ranks; resharded for %d ranks (trainer.nnodes x "
-            "trainer.n_gpus_per_node). Model and optimizer state are exact; RNG states are "
-            "those of rank r mod %s, so sampling differs from a run on the old world size",
-            step,
-            ", ".join(map(str, sorted(found))),
-            run.world_size,
-            min(found),
-        )
-    return min(found) if found else None
-
-
-def _everywhere(fleet: Fleet, method: str, args: tuple[Any, ...]) -> dict[str, Any]:
-    """Run on the driver's node first, then on all others."""
-    first = fleet.call(method, {fleet.driver: args})
-    return first | fleet.call(method, {n: args for n in fleet.nodes() if n != fleet.driver})
-
-
-def _make_fleet(settings: VerlStoreConfig, run: VerlRun, store: CheckpointStore) -> Fleet:
-    ray: Any = sys.modules.get("ray")  # only a job that already runs Ray can have nodes
-    ray_up = ray is not None and bool(ray.is_initialized())
-    if settings.upload == "per_node" and not ray_up:
-        raise ConfigError(
-            f"{SECTION}.upload=per_node needs Ray to be initialized (verl's trainer does it)"
-        )
-    if ray_up and settings.upload != "driver":
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        if settings.upload == "per_node" or len(alive) > 1:
-            return RayFleet(run.local_dir, settings.uri, settings.storage_options)
-    return LocalFleet({"local": NodeAgent(run.local_dir, store.uri, store=store)})
-
-
-def _store_step(path: str | None, uri: str) -> int | None:
-    """The step of a ``resume_from_path`` inside the store, or None for any other path."""
-    if not path:
-        return None
-    root = uri.rstrip("/") + "/"
-    if not path.startswith(root):
-        if "://" in path:
-            raise ConfigError(
-                f"trainer.resume_from_path {path!r} is a URL outside the store {uri}", uri=path
-            )
-        return None
-    step = layout.parse_step_dir(path[len(root) :])
-    if step is None:
-        raise ConfigError(
-            f"trainer.resume_from_path {path!r} must name a step: {root}global_step_N",
-            uri=path,
-            path=path[len(root) :],
-        )
-    return step
 
 
 def _verl_version() -> str | None:

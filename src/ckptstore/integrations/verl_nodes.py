@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,10 +38,10 @@ from ckptstore.errors import (
     BackendError,
     CheckpointError,
     ConfigError,
-    ConflictError,
-    IncompleteCheckpointError,
 )
 from ckptstore.info import CheckpointInfo
+from ckptstore.integrations.verl_config import SECTION, VerlRun, VerlStoreConfig
+from ckptstore.integrations.verl_steps import assign_files, check_complete
 from ckptstore.manifest import FileEntry
 from ckptstore.payload import SourceFile, iter_file
 from ckptstore.store import CheckpointStore
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 SKIPPED_PREFIXES = (TMP_PREFIX, ".ckptstore-")
 """Temporary files and directories (writes and pulls in progress, and pull directories of
 earlier versions, named ``.ckptstore-pull-*``): never pushed."""
-_RANK_FILE = re.compile(r"^(?P<kind>.+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")
 
 
 class NodeAgent:
@@ -310,80 +309,20 @@ class RayFleet:
         return results
 
 
-def assign_files(
-    listings: Mapping[str, Sequence[tuple[str, int]]], step: int
-) -> dict[str, list[str]]:
-    """Which node uploads which file of ``step``: each path exactly once, by a node that holds it.
-
-    A path held by several nodes (shared storage, or a leftover) goes to the least loaded of
-    them, largest files first, so shared storage still uploads in parallel. Copies of one path
-    that differ in size mean stale files on some node: a ConflictError names them.
-    """
-    sizes: dict[str, int] = {}
-    holders: dict[str, list[str]] = {}
-    for node in sorted(listings):
-        for rel, size in listings[node]:
-            if rel in sizes and sizes[rel] != size:
-                raise ConflictError(
-                    f"step {step}: {rel} is {size} bytes on node {node} but {sizes[rel]} bytes "
-                    f"on node {holders[rel][0]}; one of them is a stale copy from another run. "
-                    f"Delete {layout.step_dir(step)} on the node whose copy is stale and save "
-                    "again",
-                    step=step,
-                )
-            sizes[rel] = size
-            holders.setdefault(rel, []).append(node)
-    if not sizes:
-        raise IncompleteCheckpointError(
-            f"no node holds any file of {layout.step_dir(step)}; verl saved nothing there, or "
-            "trainer.default_local_dir differs between nodes (use an absolute path)",
-            step=step,
+def make_fleet(settings: VerlStoreConfig, run: VerlRun, store: CheckpointStore) -> Fleet:
+    """The agents of a verl job: one Ray actor per node on a multi-node Ray cluster (or with
+    ``upload=per_node``), else one agent in this process over the driver's store."""
+    ray: Any = sys.modules.get("ray")  # only a job that already runs Ray can have nodes
+    ray_up = ray is not None and bool(ray.is_initialized())
+    if settings.upload == "per_node" and not ray_up:
+        raise ConfigError(
+            f"{SECTION}.upload=per_node needs Ray to be initialized (verl's trainer does it)"
         )
-    load = dict.fromkeys(listings, 0)
-    plan: dict[str, list[str]] = {node: [] for node in listings}
-    for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
-        node = min(holders[rel], key=lambda n: (load[n], n))
-        plan[node].append(rel)
-        load[node] += sizes[rel]
-    return plan
-
-
-def check_complete(paths: Sequence[str], step: int) -> None:
-    """Refuse to commit a step that lacks what verl needs to resume from it.
-
-    ``data.pt`` (the driver's trainer state), something under ``actor/``, and for each kind of
-    per-rank file (``model_world_size_W_rank_R.pt`` and the like) all ``W`` ranks: a node whose
-    agent did not report shows up here as missing ranks.
-    """
-    where = layout.step_dir(step)
-    present = set(paths)
-    if "data.pt" not in present:
-        raise IncompleteCheckpointError(
-            f"{where}/data.pt (the trainer state verl's driver writes) was found on no node; "
-            "nothing was committed",
-            step=step,
-        )
-    if not any(p.startswith("actor/") for p in present):
-        raise IncompleteCheckpointError(
-            f"{where} has no actor/ files; nothing was committed", step=step
-        )
-    ranks: dict[tuple[str, int], set[int]] = {}
-    for path in present:
-        folder, _, name = path.rpartition("/")
-        match = _RANK_FILE.match(name)
-        if match:
-            key = (f"{folder}/{match['kind']}" if folder else match["kind"], int(match["world"]))
-            ranks.setdefault(key, set()).add(int(match["rank"]))
-    for (kind, world), found in sorted(ranks.items()):
-        missing = sorted(set(range(world)) - found)
-        if missing:
-            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-            raise IncompleteCheckpointError(
-                f"{where}: {kind}_world_size_{world}_rank_R.pt is missing for rank(s) {shown} on "
-                "every node that reported; a node without an agent (or a failed save) would "
-                "lose them, so nothing was committed",
-                step=step,
-            )
+    if ray_up and settings.upload != "driver":
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        if settings.upload == "per_node" or len(alive) > 1:
+            return RayFleet(run.local_dir, settings.uri, settings.storage_options)
+    return LocalFleet({"local": NodeAgent(run.local_dir, store.uri, store=store)})
 
 
 def _scan(root: Path) -> Iterator[tuple[str, int, Path]]:
@@ -434,5 +373,6 @@ __all__ = [
     "NodeAgent",
     "RayFleet",
     "assign_files",
+    "make_fleet",
     "check_complete",
 ]

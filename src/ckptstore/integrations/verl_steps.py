@@ -1,0 +1,92 @@
+"""What a verl step directory must hold, and which node uploads which of its files.
+
+Pure functions over listings (no I/O), so the rules are tested with plain values: every path
+once, by a node that holds it (:func:`assign_files`), and a step that lacks what verl needs to
+resume from it is never committed (:func:`check_complete`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+from ckptstore import layout
+from ckptstore.errors import ConflictError, IncompleteCheckpointError
+
+_RANK_FILE = re.compile(r"^(?P<kind>.+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")
+
+
+def assign_files(
+    listings: Mapping[str, Sequence[tuple[str, int]]], step: int
+) -> dict[str, list[str]]:
+    """Which node uploads which file of ``step``: each path exactly once, by a node that holds it.
+
+    A path held by several nodes (shared storage, or a leftover) goes to the least loaded of
+    them, largest files first, so shared storage still uploads in parallel. Copies of one path
+    that differ in size mean stale files on some node: a ConflictError names them.
+    """
+    sizes: dict[str, int] = {}
+    holders: dict[str, list[str]] = {}
+    for node in sorted(listings):
+        for rel, size in listings[node]:
+            if rel in sizes and sizes[rel] != size:
+                raise ConflictError(
+                    f"step {step}: {rel} is {size} bytes on node {node} but {sizes[rel]} bytes "
+                    f"on node {holders[rel][0]}; one of them is a stale copy from another run. "
+                    f"Delete {layout.step_dir(step)} on the node whose copy is stale and save "
+                    "again",
+                    step=step,
+                )
+            sizes[rel] = size
+            holders.setdefault(rel, []).append(node)
+    if not sizes:
+        raise IncompleteCheckpointError(
+            f"no node holds any file of {layout.step_dir(step)}; verl saved nothing there, or "
+            "trainer.default_local_dir differs between nodes (use an absolute path)",
+            step=step,
+        )
+    load = dict.fromkeys(listings, 0)
+    plan: dict[str, list[str]] = {node: [] for node in listings}
+    for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
+        node = min(holders[rel], key=lambda n: (load[n], n))
+        plan[node].append(rel)
+        load[node] += sizes[rel]
+    return plan
+
+
+def check_complete(paths: Sequence[str], step: int) -> None:
+    """Refuse to commit a step that lacks what verl needs to resume from it.
+
+    ``data.pt`` (the driver's trainer state), something under ``actor/``, and for each kind of
+    per-rank file (``model_world_size_W_rank_R.pt`` and the like) all ``W`` ranks: a node whose
+    agent did not report shows up here as missing ranks.
+    """
+    where = layout.step_dir(step)
+    present = set(paths)
+    if "data.pt" not in present:
+        raise IncompleteCheckpointError(
+            f"{where}/data.pt (the trainer state verl's driver writes) was found on no node; "
+            "nothing was committed",
+            step=step,
+        )
+    if not any(p.startswith("actor/") for p in present):
+        raise IncompleteCheckpointError(
+            f"{where} has no actor/ files; nothing was committed", step=step
+        )
+    ranks: dict[tuple[str, int], set[int]] = {}
+    for path in present:
+        folder, _, name = path.rpartition("/")
+        match = _RANK_FILE.match(name)
+        if match:
+            key = (f"{folder}/{match['kind']}" if folder else match["kind"], int(match["world"]))
+            ranks.setdefault(key, set()).add(int(match["rank"]))
+    for (kind, world), found in sorted(ranks.items()):
+        missing = sorted(set(range(world)) - found)
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            raise IncompleteCheckpointError(
+                f"{where}: {kind}_world_size_{world}_rank_R.pt is missing for rank(s) {shown} on "
+                "every node that reported; a node without an agent (or a failed save) would "
+                "lose them, so nothing was committed",
+                step=step,
+            )
