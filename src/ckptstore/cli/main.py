@@ -42,7 +42,7 @@ from typing import Any
 import click
 
 from ckptstore.backends.registry import scheme_of
-from ckptstore.cli import adopt, bucket, commands, diff, export, reshard, transfer
+from ckptstore.cli import adopt, bucket, commands, diff, export, manage, reshard, transfer
 from ckptstore.cli.common import (
     COUNT,
     EXIT_BACKEND,
@@ -182,6 +182,7 @@ def cli() -> None:
 
 for _command in [
     *commands.COMMANDS,
+    *manage.COMMANDS,
     *diff.COMMANDS,
     *reshard.COMMANDS,
     *export.COMMANDS,
