@@ -421,7 +421,12 @@ def test_failing_the_nth_operation_never_exposes_a_bad_step(
         lambda **kw: CheckpointStore(f"{uri}/count", storage_options=options, **kw)
     )
     assert total > 20
-    for n in range(1, total + 1):
+    # Over HTTP every point costs a server round of saves: S3 samples them, "error" the even
+    # points and "crash" the odd ones, so the two runs together still fail every operation once.
+    points = range(1, total + 1)
+    if uri.startswith("s3://"):
+        points = range(2 if mode == "error" else 1, total + 1, 2)
+    for n in points:
         raw = open_backend(f"{uri}/n{n}", options)
         faulty = FaultyBackend(raw, fail_at=n, mode=mode)
         done = run_saves(CheckpointStore(raw.uri, keep_last=KEEP_LAST, backend=faulty))

@@ -479,8 +479,7 @@ def test_ray_nodes_without_shared_storage_upload_and_pull_their_own_files(
     monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
 
     from ckptstore.errors import NotFoundError
-    from ckptstore.integrations.verl_nodes import make_fleet
-    from ckptstore.integrations.verl_nodes import RayFleet
+    from ckptstore.integrations.verl_nodes import RayFleet, make_fleet
 
     ray.cloudpickle.register_pickle_by_value(verl_ranks)  # workers cannot import tests/
     cluster = Cluster(
