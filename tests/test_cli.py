@@ -1,18 +1,24 @@
-"""The installed ``ckptstore`` command, run as a subprocess the way users and schedulers run it.
+"""The ``ckptstore`` command: every command checked on its human output, its ``--json``
+document and its documented exit status.
 
-Stores are prepared through the Python API, then every command is checked on its human output,
-its ``--json`` document and its documented exit status. A few pure helpers (the exit code table,
-``KEY=VALUE`` parsing, the embedded S3 server) are tested in-process.
+Commands run in-process (``ckptstore.cli.main.run``, stdout and stderr captured, warnings
+printed on stderr as the installed command prints them), which spares each call an interpreter
+start and an import of torch; the tests that depend on being a process of their own (the demo,
+which kills itself; a push beside a live writer in another process; the installed entry point)
+run the installed command as a subprocess, the way users and schedulers run it. Stores are
+prepared through the Python API.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -22,7 +28,7 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.cli.common import parse_pair
-from ckptstore.cli.main import exit_code_for
+from ckptstore.cli.main import _Formatter, exit_code_for, run
 from ckptstore.errors import (
     AccessDeniedError,
     BackendError,
@@ -44,8 +50,27 @@ BIN = Path(sys.executable).parent
 CKPTSTORE = shutil.which("ckptstore", path=str(BIN)) or shutil.which("ckptstore")
 
 
-def ckpt(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run the installed command; stdout and stderr come back separately, as text."""
+def ckpt(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the command line in this process; stdout and stderr come back separately, as text,
+    with warnings on stderr as the installed command writes them."""
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(_Formatter())
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("ckptstore")
+    level = logger.level
+    logger.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run(list(args))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)  # -v raises it for the rest of a process
+    return subprocess.CompletedProcess(["ckptstore", *args], code, out.getvalue(), err.getvalue())
+
+
+def ckpt_process(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the installed command as a subprocess."""
     if CKPTSTORE is None:
         pytest.fail("the ckptstore command is not installed; run: pip install -e .")
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -159,8 +184,7 @@ def test_usage_errors_exit_2(store: str) -> None:
         ["ls", "bad:uri"],
         ["push", store, store],  # a ckptstore store is copied with cp, not pushed
     ]
-    with ThreadPoolExecutor(len(cases)) as pool:  # independent runs: overlap their start-up
-        results = list(pool.map(lambda args: ckpt(*args), cases))
+    results = [ckpt(*args) for args in cases]
     for args, done in zip(cases, results, strict=True):
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert done.stdout == "", args
@@ -341,8 +365,7 @@ def test_retention_option_errors_exit_2(scored: str) -> None:
         (["prune", scored, "--keep-best", "0"], "--keep-best"),
         (["ls", scored, "--last", "0"], "--last"),
     ]
-    with ThreadPoolExecutor(len(cases)) as pool:
-        results = list(pool.map(lambda case: ckpt(*case[0]), cases))
+    results = [ckpt(*case[0]) for case in cases]
     for (args, needle), done in zip(cases, results, strict=True):
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert done.stdout == "" and needle in done.stderr, (args, done.stderr)
@@ -427,10 +450,11 @@ def test_push_into_a_store_a_live_writer_holds_needs_takeover(
     # a training job, alive, holds the writer lease (a short TTL: its heartbeat is seen at once)
     with CheckpointStore(uri, lease_ttl=2) as trainer:
         trainer.save(1, {"w": torch.zeros(2)})
-        done = ckpt("push", str(step_dir), uri, "--step", "2")
+        done = ckpt_process("push", str(step_dir), uri, "--step", "2")  # another process
         assert done.returncode == 5
         assert "--takeover" in error_line(done)
-        assert data("push", str(step_dir), uri, "--step", "2", "--takeover")["step"] == 2
+        pushed = ckpt_process("push", str(step_dir), uri, "--step", "2", "--takeover", "--json")
+        assert json.loads(pushed.stdout)["step"] == 2
         with pytest.raises(FencedError):  # the old writer is fenced off
             trainer.save(3, {"w": torch.ones(2)})
     assert committed(uri) == [1, 2]
@@ -507,15 +531,15 @@ def test_local_s3_server_serves_a_store() -> None:
 
 
 def test_demo_rejects_bad_kill_step_and_non_empty_store(store: str) -> None:
-    done = ckpt("demo", "--uri", store, "--kill-at", "20")
+    done = ckpt_process("demo", "--uri", store, "--kill-at", "20")
     assert done.returncode == 2 and "--kill-at 20" in error_line(done)
-    done = ckpt("demo", "--uri", store)
+    done = ckpt_process("demo", "--uri", store)
     assert done.returncode == 2 and "empty store" in error_line(done)
 
 
 @pytest.mark.slow
 def test_demo_end_to_end_on_embedded_s3() -> None:
-    done = ckpt("demo", timeout=240)
+    done = ckpt_process("demo", timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "started an embedded S3 server (moto) at http://127.0.0.1:" in out
@@ -534,7 +558,9 @@ def test_demo_end_to_end_on_embedded_s3() -> None:
 @pytest.mark.slow
 def test_demo_on_a_local_path(tmp_path: Path) -> None:
     uri = str(tmp_path / "demo")
-    done = ckpt("demo", "--uri", uri, "--steps", "20", "--save-every", "5", "--keep-last", "2")
+    done = ckpt_process(
+        "demo", "--uri", uri, "--steps", "20", "--save-every", "5", "--keep-last", "2"
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "run 1 was killed at step 12" in done.stdout
     assert "OK: resumed run is bit-identical" in done.stdout
