@@ -45,6 +45,7 @@ from ckptstore.backends.base import (
     BaseBackend,
     Capabilities,
     Chunk,
+    ObjectAddress,
     ObjectInfo,
     PartialWrite,
     error_context,
@@ -53,7 +54,7 @@ from ckptstore.backends.s3_errors import is_not_found, is_unsupported
 from ckptstore.backends.s3_options import MAX_SINGLE_PUT, S3Options, parse_s3_uri
 from ckptstore.backends.s3_probe import bare, capabilities, probe
 from ckptstore.backends.s3_transfer import Transfers, crc32c_base64, drain, split
-from ckptstore.errors import CheckpointError, NotFoundError, PreconditionFailedError
+from ckptstore.errors import CheckpointError, ConfigError, NotFoundError, PreconditionFailedError
 
 __all__ = ["S3Backend", "S3Options", "parse_s3_uri"]
 
@@ -77,6 +78,7 @@ class S3Backend(BaseBackend):
         endpoint = getattr(getattr(self._client, "meta", None), "endpoint_url", None) or "AWS S3"
         self._endpoint = re.sub(r"//[^/@]*@", "//", str(endpoint))  # no user:password@
         self._errors = s3_errors.Translator(self._bucket, self._endpoint, self._uri)
+        self._domain = self._opts.copy_domain(str(endpoint))
         self._probe_lock = threading.Lock()
         self._caps: Capabilities | None = None
         self._unquoted_if_match = False
@@ -238,23 +240,45 @@ class S3Backend(BaseBackend):
             return self._etag(key, self._transfers.put(key, data))
 
     def copy(self, src: str, dst: str) -> None:
-        source, target = self._key(src), self._key(dst)
+        source = self._key(src)
         info = self.stat(src)
         if info is None:
             raise NotFoundError(
                 f"{self._obj(source)} does not exist (while trying to copy it)",
                 **error_context(self._uri, src),
             )
-        if info.size > MAX_SINGLE_PUT:  # UploadPartCopy: CopyObject stops at 5 GiB
-            with self._translated(source, "copy"):
-                self._transfers.copy(source, target, info.size, part_size=self._opts.part_size)
+        self._copy(self._bucket, source, dst, info.size)
+
+    def address(self, path: str) -> ObjectAddress:
+        """This bucket and key, in the domain of this endpoint and these credentials."""
+        return ObjectAddress(self._domain, self._bucket, self._key(path))
+
+    def copy_in(self, source: ObjectAddress, dst: str, size: int) -> None:
+        """CopyObject, or UploadPartCopy parts above 5 GiB, from another bucket (or prefix)
+        that this client reaches with the same credentials."""
+        if source.domain != self._domain:
+            raise ConfigError(
+                f"{self._obj(self._key(dst))}: cannot copy s3://{source.bucket}/{source.key} in "
+                f"server-side: it is reached through another endpoint or other credentials than "
+                f"{self._endpoint}; stream the bytes instead",
+                **error_context(self._uri, dst),
+            )
+        self._copy(source.bucket, source.key, dst, size)
+
+    def _copy(self, bucket: str, source: str, dst: str, size: int) -> None:
+        target, origin = self._key(dst), f"s3://{bucket}/{source}"
+        if size > MAX_SINGLE_PUT:  # UploadPartCopy: CopyObject stops at 5 GiB
+            with self._errors.translated(origin, "copy"):
+                self._transfers.copy(
+                    source, target, size, part_size=self._opts.part_size, bucket=bucket
+                )
             return
         extra = {"ChecksumAlgorithm": "CRC32C"} if self._opts.checksums else {}
-        with self._translated(source, "copy"):
+        with self._errors.translated(origin, "copy"), self._transfers.slots:
             self._client.copy_object(
                 Bucket=self._bucket,
                 Key=target,
-                CopySource={"Bucket": self._bucket, "Key": source},
+                CopySource={"Bucket": bucket, "Key": source},
                 **extra,
             )
 

@@ -226,12 +226,16 @@ class Transfers:
         self.multipart(key, jobs(), part_size=part_size, **extra)
         return size
 
-    def copy(self, source: str, target: str, size: int, *, part_size: int) -> None:
-        """Server-side copy in parallel UploadPartCopy parts (CopyObject stops at 5 GiB)."""
+    def copy(
+        self, source: str, target: str, size: int, *, part_size: int, bucket: str | None = None
+    ) -> None:
+        """Server-side copy in parallel UploadPartCopy parts (CopyObject stops at 5 GiB), from
+        ``source`` in ``bucket`` (default: this one) to ``target`` here."""
+        origin = {"Bucket": bucket or self._bucket, "Key": source}
         step = max(part_size, -(-size // MAX_PARTS))
         jobs = (
             functools.partial(
-                self._copy_part, source, target, f"bytes={a}-{min(a + step, size) - 1}"
+                self._copy_part, origin, target, f"bytes={a}-{min(a + step, size) - 1}"
             )
             for a in range(0, size, step)
         )
@@ -314,13 +318,15 @@ class Transfers:
         entry["ETag"] = resp["ETag"]
         return entry
 
-    def _copy_part(self, source: str, target: str, byte_range: str, upload_id: str, n: int) -> Part:
+    def _copy_part(
+        self, origin: dict[str, str], target: str, byte_range: str, upload_id: str, n: int
+    ) -> Part:
         out = self._client.upload_part_copy(
             Bucket=self._bucket,
             Key=target,
             UploadId=upload_id,
             PartNumber=n,
-            CopySource={"Bucket": self._bucket, "Key": source},
+            CopySource=origin,
             CopySourceRange=byte_range,
         )
         return {"PartNumber": n, "ETag": out["CopyPartResult"]["ETag"]}
