@@ -42,7 +42,7 @@ from typing import Any
 import click
 
 from ckptstore.backends.registry import scheme_of
-from ckptstore.cli import adopt, bucket, commands, diff, export, reshard, transfer
+from ckptstore.cli import adopt, bucket, commands, diff, export, replicate, reshard, transfer
 from ckptstore.cli.common import (
     COUNT,
     EXIT_BACKEND,
@@ -184,6 +184,7 @@ for _command in [
     *reshard.COMMANDS,
     *export.COMMANDS,
     *transfer.COMMANDS,
+    *replicate.COMMANDS,
     *adopt.COMMANDS,
     *bucket.COMMANDS,
 ]:
