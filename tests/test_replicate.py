@@ -25,7 +25,12 @@ from ckptstore.backends.base import Backend, BackendProxy, Chunk, ObjectAddress
 from ckptstore.backends.registry import open_backend
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.copying import memory_bound
-from ckptstore.errors import BackendError, ConflictError, CorruptCheckpointError
+from ckptstore.errors import (
+    BackendError,
+    ConflictError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from ckptstore.replication import DOOMED, FENCED, ReplicationReport, follow, replicate
 from ckptstore.testing.s3server import LocalS3Server
 from counting import CountingBackend
@@ -281,6 +286,26 @@ def test_a_corrupt_source_file_is_refused_and_nothing_is_committed_for_its_step(
     assert again.failed and [i.step for i in again.copied] == []  # a new pass checks again
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
         src.copy_to(dst, [2])
+    src.close()
+    dst.close()
+
+
+def test_a_missing_source_file_is_refused_naming_it(tmp_path: Path) -> None:
+    src = CheckpointStore(str(tmp_path / "src"))
+    src.save(1, state(1))
+    info = src.push_dir(2, files_of(tmp_path, 2))
+    gone = next(f for f in info.files if f.size > 0)
+    (tmp_path / "src" / gone.key(2)).unlink()
+    dst = CheckpointStore(str(tmp_path / "dst"))
+    report = replicate(src, dst)
+    error = report.failed[2]
+    assert isinstance(error, IncompleteCheckpointError)
+    assert f"{src.uri}/{gone.key(2)} is missing" in str(error)
+    assert "its retention deleted the step meanwhile" in str(error)
+    assert [i.step for i in dst.list()] == [1] and latest_of(dst) == 1
+    assert not (tmp_path / "dst" / "global_step_2").exists() or not any(
+        p.is_file() for p in (tmp_path / "dst" / "global_step_2").rglob("*")
+    )
     src.close()
     dst.close()
 

@@ -244,10 +244,12 @@ class Replicator:
             copier.copy_files(step, missing, progress)
         except SOURCE_FAILURES as e:
             self.replica.discard(manifest)
+            gone = " (or whether its retention deleted the step meanwhile)"
             raise type(e)(
                 f"{e}. Step {step} was not replicated to {self.replica.uri}: nothing was "
                 f"committed there and its staged files were removed; check the source with "
-                f"`ckptstore verify {self.src} {step}`",
+                f"`ckptstore verify {self.src} {step}`"
+                f"{gone if isinstance(e, IncompleteCheckpointError) else ''}",
                 uri=e.uri,
                 step=step,
                 path=e.path,
