@@ -204,22 +204,30 @@ class Writes(BackendProxy):
         self._record(dst)
 
 
-@pytest.mark.parametrize("target", ["local", "s3"])
+@pytest.mark.parametrize("target", ["local", "s3", "s3 server-side"])
 def test_a_replication_killed_at_every_point_resumes_without_copying_finished_files(
     target: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    src = CheckpointStore(str(tmp_path / "src"))
+    """Streamed into a local directory and into S3 (from a local source), and server-side
+    between two prefixes of one S3 endpoint (copy_in is a mutating operation too)."""
+    client = request.getfixturevalue("s3_client") if target != "local" else None
+
+    def backend(uri: str) -> Backend:  # one S3 client for all: creating one takes 0.2 s
+        if uri.startswith("s3://"):
+            return S3Backend(uri, {}, client=client)
+        return open_backend(uri, {})
+
+    src_uri = str(tmp_path / "src")
+    if target == "s3 server-side":
+        src_uri = f"{request.getfixturevalue('s3_uri')}-source"
+    src = CheckpointStore(src_uri, backend=backend(src_uri))
     src.push_dir(1, files_of(tmp_path, 1))
     src.push_dir(2, files_of(tmp_path, 2))
     points = 0
-    client = request.getfixturevalue("s3_client") if target == "s3" else None
-
-    def backend(uri: str) -> Backend:  # one S3 client for all: creating one takes 0.2 s
-        return S3Backend(uri, {}, client=client) if client is not None else open_backend(uri, {})
 
     for fail_at in range(1, 100):
         uri = str(tmp_path / f"dst{fail_at}")
-        if target == "s3":
+        if target != "local":
             uri = f"{request.getfixturevalue('s3_uri')}/{fail_at}"
         faulty = FaultyBackend(backend(uri), fail_at=fail_at, mode="crash")
         dying = CheckpointStore(uri, backend=faulty, lease=False)
@@ -239,6 +247,9 @@ def test_a_replication_killed_at_every_point_resumes_without_copying_finished_fi
         resumed = CheckpointStore(uri, backend=writes, lease=False)
         report = replicate(src, resumed)
         assert not set(writes.payload) & set(finished), f"fail_at={fail_at}: copied again"
+        assert (report.bytes_server_side > 0) == (
+            target == "s3 server-side" and bool(writes.payload)
+        )
         staged = [
             finished[key]
             for key in _payload_keys(src)
@@ -249,7 +260,8 @@ def test_a_replication_killed_at_every_point_resumes_without_copying_finished_fi
         assert latest_of(resumed) == 2
         assert all(same_contents(src, resumed, s) for s in (1, 2))
         assert all(r.ok for r in resumed.verify_all())
-    assert points >= 12  # markers, 5 files and a manifest per step, the pointer, retention
+    assert points == 13  # per step: 1 marker, 4 files, the manifest; the pointer, once
+    src.close()
 
 
 def _payload_keys(store: CheckpointStore) -> list[str]:
@@ -431,6 +443,23 @@ def test_replicating_a_store_into_itself_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="both the source and the destination"):
         replicate(src, CheckpointStore(str(tmp_path / "src")))
     src.close()
+
+
+def test_s3_domains_name_the_endpoint_and_the_credentials(
+    s3_options: dict[str, Any], other_endpoint: LocalS3Server
+) -> None:
+    here = S3Backend("s3://bucket-a/run", s3_options).address("k")
+    assert S3Backend("s3://bucket-b/other", s3_options).address("k").domain == here.domain
+    keyed = {**s3_options, "key": "someone-else", "secret": "do-not-show-this"}
+    elsewhere = [
+        S3Backend("s3://bucket-a/run", keyed),
+        S3Backend("s3://bucket-a/run", other_endpoint.storage_options()),
+    ]
+    for backend in elsewhere:
+        assert backend.address("k").domain != here.domain
+        with pytest.raises(ValueError, match="another endpoint or under other credentials"):
+            backend.copy_in(here, "k", 1)
+    assert "do-not-show-this" not in repr(elsewhere[0].address("k"))
 
 
 # -- memory ---------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from ckptstore.backends.base import (
     error_context,
 )
 from ckptstore.backends.s3_errors import is_not_found, is_unsupported
-from ckptstore.backends.s3_options import MAX_SINGLE_PUT, S3Options, parse_s3_uri
+from ckptstore.backends.s3_options import S3Options, parse_s3_uri
 from ckptstore.backends.s3_probe import bare, capabilities, probe
 from ckptstore.backends.s3_transfer import Transfers, crc32c_base64, drain, split
 from ckptstore.errors import CheckpointError, ConfigError, NotFoundError, PreconditionFailedError
@@ -247,39 +247,26 @@ class S3Backend(BaseBackend):
                 f"{self._obj(source)} does not exist (while trying to copy it)",
                 **error_context(self._uri, src),
             )
-        self._copy(self._bucket, source, dst, info.size)
+        with self._translated(source, "copy"):
+            self._transfers.copy(source, self._key(dst), info.size, part_size=self._opts.part_size)
 
     def address(self, path: str) -> ObjectAddress:
         """This bucket and key, in the domain of this endpoint and these credentials."""
         return ObjectAddress(self._domain, self._bucket, self._key(path))
 
     def copy_in(self, source: ObjectAddress, dst: str, size: int) -> None:
-        """CopyObject, or UploadPartCopy parts above 5 GiB, from another bucket (or prefix)
-        that this client reaches with the same credentials."""
+        """A server-side copy from another bucket (or prefix) of this domain."""
+        origin = f"s3://{source.bucket}/{source.key}"
         if source.domain != self._domain:
             raise ConfigError(
-                f"{self._obj(self._key(dst))}: cannot copy s3://{source.bucket}/{source.key} in "
-                f"server-side: it is reached through another endpoint or other credentials than "
-                f"{self._endpoint}; stream the bytes instead",
+                f"{self._obj(self._key(dst))}: {origin} is on another endpoint or under other "
+                "credentials; it cannot be copied server-side: stream the bytes instead",
                 **error_context(self._uri, dst),
             )
-        self._copy(source.bucket, source.key, dst, size)
-
-    def _copy(self, bucket: str, source: str, dst: str, size: int) -> None:
-        target, origin = self._key(dst), f"s3://{bucket}/{source}"
-        if size > MAX_SINGLE_PUT:  # UploadPartCopy: CopyObject stops at 5 GiB
-            with self._errors.translated(origin, "copy"):
-                self._transfers.copy(
-                    source, target, size, part_size=self._opts.part_size, bucket=bucket
-                )
-            return
-        extra = {"ChecksumAlgorithm": "CRC32C"} if self._opts.checksums else {}
-        with self._errors.translated(origin, "copy"), self._transfers.slots:
-            self._client.copy_object(
-                Bucket=self._bucket,
-                Key=target,
-                CopySource={"Bucket": bucket, "Key": source},
-                **extra,
+        with self._errors.translated(origin, "copy"):
+            part_size = self._opts.part_size
+            self._transfers.copy(
+                source.key, self._key(dst), size, part_size=part_size, bucket=source.bucket
             )
 
     def delete(self, paths: Sequence[str]) -> None:

@@ -51,7 +51,7 @@ from botocore.exceptions import (
 
 from ckptstore.backends.base import Chunk
 from ckptstore.backends.s3_errors import code_of, is_not_found
-from ckptstore.backends.s3_options import MAX_PART_SIZE
+from ckptstore.backends.s3_options import MAX_PART_SIZE, MAX_SINGLE_PUT
 from ckptstore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -229,9 +229,17 @@ class Transfers:
     def copy(
         self, source: str, target: str, size: int, *, part_size: int, bucket: str | None = None
     ) -> None:
-        """Server-side copy in parallel UploadPartCopy parts (CopyObject stops at 5 GiB), from
-        ``source`` in ``bucket`` (default: this one) to ``target`` here."""
+        """Server-side copy of ``source`` in ``bucket`` (default: this one) to ``target`` here:
+        one CopyObject (holding a slot, like a PUT), or parallel UploadPartCopy parts above
+        5 GiB, where CopyObject stops. The copy gets a CRC32C if checksums are on."""
         origin = {"Bucket": bucket or self._bucket, "Key": source}
+        if size <= MAX_SINGLE_PUT:
+            extra = {"ChecksumAlgorithm": "CRC32C"} if self._checksums else {}
+            with self.slots:
+                self._client.copy_object(
+                    Bucket=self._bucket, Key=target, CopySource=origin, **extra
+                )
+            return
         step = max(part_size, -(-size // MAX_PARTS))
         jobs = (
             functools.partial(

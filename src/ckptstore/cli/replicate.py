@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import click
 
@@ -26,11 +27,10 @@ from ckptstore.cli.common import (
     STEP,
     StepRef,
     common_options,
-    destination_options,
-    destination_storage_options,
     emit,
     empty_store,
     open_store,
+    parse_pair,
     resolve_step,
     retention_of,
     set_partial,
@@ -43,6 +43,55 @@ from ckptstore.replication import ReplicationReport, follow, replicate
 from ckptstore.store import CheckpointStore
 
 SECONDS = click.FloatRange(min=0)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+DST_KEY = "ckptstore.dst_options"
+
+
+def destination_options(f: F) -> F:
+    """Settings for a command's destination store only, over the global ones (``cp``,
+    ``replicate``: another endpoint, account or region on the other side); read them with
+    ``destination_storage_options``."""
+
+    def setting(name: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+        def callback(ctx: click.Context, _: click.Parameter, value: str | None) -> None:
+            if value:
+                ctx.meta.setdefault(DST_KEY, {})[name] = value
+
+        return callback
+
+    def pairs(ctx: click.Context, _: click.Parameter, values: Sequence[str]) -> None:
+        for text in values:
+            key, value = parse_pair(text, "--dst-storage-option")
+            ctx.meta.setdefault(DST_KEY, {})[key] = value
+
+    specs: list[tuple[str, str, Callable[..., None], str, bool]] = [
+        ("--dst-storage-option", "KEY=VALUE", pairs, "Backend option for the destination "
+         "only, over the global ones (repeatable).", True),
+        ("--dst-endpoint-url", "URL", setting("endpoint_url"), "S3-compatible endpoint of the "
+         "destination only.", False),
+        ("--dst-profile", "NAME", setting("profile"), "AWS profile of the destination only.",
+         False),
+        ("--dst-region", "NAME", setting("region"), "Region of the destination only.", False),
+    ]  # fmt: skip
+    for name, metavar, callback, text, multiple in reversed(specs):
+        f = click.option(
+            name,
+            metavar=metavar,
+            multiple=multiple,
+            expose_value=False,
+            callback=callback,
+            help=text,
+        )(f)
+    return f
+
+
+def destination_storage_options(ctx: click.Context) -> dict[str, Any]:
+    """The destination's storage options: the global ones, then ``destination_options``'."""
+    merged = dict(settings_of(ctx).storage_options)
+    merged.update(ctx.meta.get(DST_KEY, {}))
+    return merged
 
 
 def _open_pair(
