@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, LeaseHeldError, UntrustedCheckpointError
-from ckptstore.backends.base import Backend, BackendProxy, Chunk, ObjectAddress
+from ckptstore.backends.base import Backend, BackendProxy, Chunk, ObjectAddress, ObjectInfo
 from ckptstore.backends.registry import open_backend
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.copying import memory_bound
@@ -318,6 +318,38 @@ def test_a_missing_source_file_is_refused_naming_it(tmp_path: Path) -> None:
     assert not (tmp_path / "dst" / "global_step_2").exists() or not any(
         p.is_file() for p in (tmp_path / "dst" / "global_step_2").rglob("*")
     )
+    src.close()
+    dst.close()
+
+
+def test_a_file_gone_from_the_destination_before_its_commit_ends_the_pass_only(
+    tmp_path: Path,
+) -> None:
+    """The destination's side failing is no fault of the source's step: the pass raises, keeps
+    what it finished, and the next pass commits the step (not a ``failed`` step)."""
+
+    class Vanishing(Writes):
+        listings = 0
+
+        def list(self, prefix: str) -> Iterator[ObjectInfo]:
+            found = list(super().list(prefix))
+            if prefix == "global_step_1/":
+                self.listings += 1
+                if self.listings == 2:  # the confirming listing: one file gone (a gc?)
+                    found = [o for o in found if not o.path.endswith("rank_0.pt")]
+            return iter(found)
+
+    src = CheckpointStore(str(tmp_path / "src"))
+    src.push_dir(1, files_of(tmp_path, 1))
+    target = Vanishing(open_backend(str(tmp_path / "dst"), {}))
+    dst = CheckpointStore(str(tmp_path / "dst"), backend=target)
+    with pytest.raises(IncompleteCheckpointError, match="vanished or changed size"):
+        replicate(src, dst)
+    assert dst.list() == []
+    target.payload.clear()
+    report = replicate(src, dst)
+    assert [i.step for i in report.copied] == [1] and not report.failed
+    assert target.payload == [] and report.files_resumed == 4  # nothing copied again
     src.close()
     dst.close()
 

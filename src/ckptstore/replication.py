@@ -170,13 +170,13 @@ class Replicator:
             check_server_copies=self.check_server_copies,
         )
         for manifest in todo:
-            try:
-                info, epoch = self._copy_step(manifest, copier, report, progress)
-            except SOURCE_FAILURES as e:
+            done = self._copy_step(manifest, copier, report, progress)
+            if isinstance(done, CheckpointError):  # the source's bytes: not tried again
                 self._failed[manifest.step] = manifest
-                report.failed[manifest.step] = e
-                log.error("%s", e)
+                report.failed[manifest.step] = done
+                log.error("%s", done)
                 continue
+            info, epoch = done
             report.copied.append(info)
             self._advance(report, info.step, epoch)
         complete = [i.step for i in report.copied] + report.present
@@ -232,7 +232,10 @@ class Replicator:
         copier: FileCopier,
         report: ReplicationReport,
         progress: Progress | None,
-    ) -> tuple[CheckpointInfo, int]:
+    ) -> tuple[CheckpointInfo, int] | CheckpointError:
+        """Copy what is missing of one step and commit it: the step's info and the lease
+        epoch, or the error of a source file that failed its check (then nothing is committed
+        and what was staged is removed). Errors on the destination's side are raised."""
         step = manifest.step
         missing = self.replica.prepare(manifest)
         resumed = [f for f in manifest.files if f not in missing]
@@ -245,7 +248,7 @@ class Replicator:
         except SOURCE_FAILURES as e:
             self.replica.discard(manifest)
             gone = " (or whether its retention deleted the step meanwhile)"
-            raise type(e)(
+            failure = type(e)(
                 f"{e}. Step {step} was not replicated to {self.replica.uri}: nothing was "
                 f"committed there and its staged files were removed; check the source with "
                 f"`ckptstore verify {self.src} {step}`"
@@ -253,7 +256,9 @@ class Replicator:
                 uri=e.uri,
                 step=step,
                 path=e.path,
-            ) from e
+            )
+            failure.__cause__ = e
+            return failure
         return self.replica.commit(manifest)
 
     def _advance(self, report: ReplicationReport, step: int, epoch: int | None) -> None:
