@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ckptstore.backends.base import Backend, BackendProxy, Chunk, PartialWrite
+from ckptstore.backends.base import Backend, BackendProxy, Chunk, ObjectAddress, PartialWrite
 from ckptstore.errors import BackendError
 
-MUTATING = ("write", "create", "swap", "copy", "delete", "abort")
+MUTATING = ("write", "create", "swap", "copy", "copy_in", "delete", "abort")
 
 
 class InjectedFault(BackendError):
@@ -53,6 +53,10 @@ class FaultyBackend(BackendProxy):
     def copy(self, src: str, dst: str) -> None:
         self._tick("copy", dst)
         super().copy(src, dst)
+
+    def copy_in(self, source: ObjectAddress, dst: str, size: int) -> None:
+        self._tick("copy_in", dst)
+        super().copy_in(source, dst, size)
 
     def delete(self, paths: Sequence[str]) -> None:
         for path in paths:  # one fault point per object, as a crash can strike between them

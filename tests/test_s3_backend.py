@@ -18,7 +18,6 @@ import pytest
 from botocore.exceptions import ClientError
 
 from ckptstore import layout
-from ckptstore.backends import s3 as s3mod
 from ckptstore.backends import s3_multipart, s3_transfer
 from ckptstore.backends.registry import open_backend
 from ckptstore.backends.s3 import S3Backend
@@ -389,7 +388,7 @@ def test_too_many_parts_is_a_clear_error(
 def test_copy_above_the_single_copy_limit_uses_part_copies(
     backend: S3Backend, s3_client: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(s3mod, "MAX_SINGLE_PUT", 5 * MiB)
+    monkeypatch.setattr(s3_transfer, "MAX_SINGLE_PUT", 5 * MiB)
     data = os.urandom(12 * MiB)
     backend.write("src", [data])
     backend.copy("src", "dst")

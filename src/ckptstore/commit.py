@@ -167,30 +167,6 @@ class Committer:
         self.backend.write(layout.attempt_marker_path(step, attempt), [json.dumps(marker).encode()])
         return attempt
 
-    def replicate(
-        self,
-        step: int,
-        entries: Iterable[FileEntry],
-        read: Callable[[FileEntry], Chunk],
-        progress: Progress | None = None,
-        *,
-        epoch: int = 0,
-    ) -> None:
-        """Write another store's files of ``step`` under the same keys (``copy_to``), so its
-        manifest, signature included, stays valid here verbatim."""
-        entries = list(entries)
-        for attempt in sorted({e.attempt for e in entries if e.attempt is not None}):
-            self.begin_attempt(step, epoch, attempt)
-
-        def write_one(entry: FileEntry) -> None:
-            self.backend.write(entry.key(step), [read(entry)])
-            if progress:
-                progress(entry.size)
-
-        workers = max(1, min(self.backend.parallel_writes, len(entries)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-copy") as pool:
-            map_in_context(pool, write_one, entries)
-
     def _same_bytes(self, source: SourceFile, old: FileEntry) -> bool:
         """Whether ``source`` holds the bytes ``old`` lists (by SHA-256 when digests are on)."""
         if self.digests and old.sha256 is None:

@@ -35,6 +35,27 @@ class Steps(Protocol):
     def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]: ...
 
 
+class Backoff:
+    """The pauses of a poller: ``interval`` first, half as long again after each idle poll up
+    to ``max_interval``, and ``interval`` again after a poll that found work (``busy``)."""
+
+    def __init__(self, interval: float, max_interval: float = MAX_INTERVAL) -> None:
+        for name, value in (("interval", interval), ("max_interval", max_interval)):
+            if not value >= 0:
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        self.interval = max(interval, 0.01)
+        self.ceiling = max(max_interval, self.interval)
+        self._delay = self.interval
+
+    def next(self, *, busy: bool = False) -> float:
+        """Seconds to wait before the next poll."""
+        if busy:
+            self._delay = self.interval
+        delay = self._delay
+        self._delay = min(self._delay * BACKOFF, self.ceiling)
+        return delay
+
+
 def newest_after(store: Steps, newer_than: int | None) -> CheckpointInfo | None:
     """The newest committed step after ``newer_than`` (any step, if None), fenced ones left out."""
     infos = store.list()
@@ -68,7 +89,7 @@ def wait_for_step(
     if newer_than is None:
         current = newest_after(store, None)
         newer_than = current.step if current is not None else None
-    delay = max(interval, 0.01)
+    backoff = Backoff(interval, max_interval)
     while True:
         found = newest_after(store, newer_than)
         if found is not None:
@@ -83,8 +104,8 @@ def wait_for_step(
                 uri=store.uri,
                 step=newer_than,
             )
+        delay = backoff.next()
         sleep(delay if deadline is None else min(delay, deadline - now))
-        delay = min(delay * BACKOFF, max(max_interval, interval))
 
 
-__all__ = ["DEFAULT_INTERVAL", "MAX_INTERVAL", "newest_after", "wait_for_step"]
+__all__ = ["DEFAULT_INTERVAL", "MAX_INTERVAL", "Backoff", "newest_after", "wait_for_step"]

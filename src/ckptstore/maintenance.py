@@ -1,16 +1,16 @@
-"""Keeping a store healthy: verify, pin, delete and replicate.
+"""Keeping a store healthy: verify, pin and delete.
 
 These are the operations that touch many steps at once, built from the read side (catalog.py,
 resolver.py) and the write side (commit.py, removal.py); retention is pruning.py's. The store
 only forwards to them. Each follows the commit protocol's rules: deleting uncommits first, and
 ``latest`` only moves backwards when someone deletes it explicitly. Garbage collection, which
-judges what failed saves left behind, is garbage.py's.
+judges what failed saves left behind, is garbage.py's; copying steps into another store is
+replication.py's.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ckptstore import layout
@@ -23,9 +23,7 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
-from ckptstore.info import CheckpointInfo, VerifyReport, signature_status
-from ckptstore.manifest import FileEntry
-from ckptstore.payload import Progress
+from ckptstore.info import VerifyReport, signature_status
 from ckptstore.pruning import Pins, Pruner
 from ckptstore.removal import Remover
 from ckptstore.resolver import Resolver
@@ -35,8 +33,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Maintenance:
-    """One store's many-step operations. ``hold_lease`` takes or renews the writer lease and
-    returns its epoch (0 without leases)."""
+    """One store's many-step operations."""
 
     catalog: Catalog
     resolver: Resolver
@@ -44,7 +41,6 @@ class Maintenance:
     remover: Remover
     pins: Pins
     pruner: Pruner
-    hold_lease: Callable[[], int]
 
     @property
     def backend(self) -> Backend:
@@ -112,55 +108,3 @@ class Maintenance:
                 self.committer.advance_latest(remaining[-1], rollback=True)
             else:
                 self.backend.delete([layout.LATEST_NAME])
-
-    # -- replicate -------------------------------------------------------------------------
-
-    def copy_to(
-        self, other: Maintenance, steps: Iterable[int] | None, progress: Progress | None
-    ) -> list[CheckpointInfo]:
-        """Replicate committed steps (default: all) into ``other``, verified, same manifests.
-
-        Steps ``other`` already holds with identical files are skipped. ``other``'s ``latest``
-        moves forward to the newest copied step, then ``other``'s retention applies.
-        """
-        chosen = self.catalog.list() if steps is None else [self.catalog.info(s) for s in steps]
-        copied = []
-        epoch = 0
-        for info in chosen:
-            if other._holds_same(info):
-                continue
-
-            def read(entry: FileEntry, step: int = info.step) -> bytes:
-                return bytes(self.catalog.read_verified(step, entry))
-
-            try:
-                epoch = other.hold_lease()
-                other.committer.replicate(info.step, info.files, read, progress, epoch=epoch)
-                other.committer.confirm_payload(info.step, info.files)
-                epoch = other.hold_lease()
-                manifest = other.committer.commit(info.manifest)
-            except BaseException:
-                attempts = {f.attempt for f in info.files if f.attempt is not None}
-                other.remover.discard_attempts(info.step, attempts)
-                raise
-            copied.append(other.catalog.info_of(manifest))
-        if copied:
-            other.committer.advance_latest(max(i.step for i in copied), epoch=epoch)
-            other.pruner.after_save()
-        return copied
-
-    def _holds_same(self, info: CheckpointInfo) -> bool:
-        """Whether this store already holds ``info``'s step; ConflictError if with other files."""
-        try:
-            existing = self.catalog.info(info.step)
-        except NotFoundError:
-            return False
-        if existing.files != info.files:
-            raise ConflictError(
-                f"step {info.step} exists in {self.backend.uri} with other contents; remove it "
-                "there first (ckptstore rm) or copy other steps",
-                uri=existing.uri,
-                path=layout.step_dir(info.step),
-                step=info.step,
-            )
-        return True

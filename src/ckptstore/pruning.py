@@ -18,6 +18,7 @@ gone, so a prune running beside an ``rm`` may keep one step fewer until the next
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ckptstore import layout
@@ -85,6 +86,17 @@ class Pruner:
                 self.remover.uncommit(step)
                 log.info("retention deleted step %d from %s", step, self.catalog.backend.uri)
         return doomed
+
+    def would_delete(self, manifests: Iterable[Manifest], *, latest: int | None) -> list[int]:
+        """The steps of ``manifests`` (committed here, or about to be: a replication asks
+        before copying) that retention would delete once ``latest`` is the pointer's step;
+        ascending. Nothing is read but the pins (one listing, only with a policy)."""
+        if not self.policy.enabled:
+            return []
+        chosen = sorted(manifests, key=lambda m: m.step)
+        items = [record_of(m) for m in chosen] if self.policy.needs_records else None
+        steps = items if items is not None else [m.step for m in chosen]
+        return steps_to_delete(self.policy, steps, latest=latest, pinned=self.pins.steps())
 
     def after_save(self) -> None:
         """Apply retention after a commit; a failure is logged, never undoes the commit."""

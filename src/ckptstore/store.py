@@ -36,6 +36,8 @@ from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry, check_met
 from ckptstore.observer import SaveObserver
 from ckptstore.options import StoreOptions
 from ckptstore.payload import Progress, SourceFile
+from ckptstore.replica import Replica
+from ckptstore.replication import replicate
 from ckptstore.resolver import Resolved, Resolver
 from ckptstore.transfer import check_target
 from ckptstore.wiring import assemble
@@ -89,9 +91,11 @@ class CheckpointStore:
         parts = assemble(self.backend, opts, clock=clock, environment=self._env, observer=observer)
         self.writer, self.signer = parts.writer, parts.signer
         (self._catalog, self._remover, self._committer, self._resolver, self._lease,
-         self._pruner, self._maintenance, self._async, self._saver, self._adopter) = (
+         self._pruner, self._maintenance, self._replica, self._async, self._saver,
+         self._adopter) = (
             parts.catalog, parts.remover, parts.committer, parts.resolver, parts.lease,
-            parts.pruner, parts.maintenance, parts.in_flight, parts.saver, parts.adopter,
+            parts.pruner, parts.maintenance, parts.replica, parts.in_flight, parts.saver,
+            parts.adopter,
         )  # fmt: skip
         _refuse_step_directory(uri, self._catalog)
         self.last_loaded: CheckpointInfo | None = None
@@ -390,8 +394,16 @@ class CheckpointStore:
         *,
         progress: Progress | None = None,
     ) -> builtins.list[CheckpointInfo]:
-        """Replicate committed steps (default: all) into ``other``, verified."""
-        return self._maintenance.copy_to(other._maintenance, steps, progress)
+        """Replicate committed steps (default: all) into ``other``, streamed and verified
+        (``replication.replicate`` returns the whole report); raises if a step fails its check."""
+        report = replicate(self, other, steps, progress=progress)
+        report.raise_failures()
+        return report.copied
+
+    @property
+    def replica(self) -> Replica:
+        """This store as the destination of a replication (replica.py, replication.py)."""
+        return self._replica
 
     def gc(self, dry_run: bool = False, *, older_than: float = GC_GRACE_SECONDS) -> GcReport:
         """Remove what failed saves and interrupted removals left, once proven dead

@@ -6,7 +6,8 @@ siblings, and the store (store.py) only holds them.
     backend ── Catalog (reads) ── Resolver (which step to load)
            └── Remover (tombstone-first deletes) ── Committer (the commit protocol)
            └── WriterLease (one writer at a time; fences latest on takeover)
-    Pins, Pruner (retention carried out), Maintenance (verify, delete, copy)
+    Pins, Pruner (retention carried out), Maintenance (verify, pins, delete)
+    Replica (the store as a replication's destination: its committer, remover, pruner, lease)
     AsyncSaver (the save in flight) ── Saver (the coordinated save's store side) ── Adopter
 """
 
@@ -31,6 +32,7 @@ from ckptstore.observer import SaveObserver
 from ckptstore.options import StoreOptions
 from ckptstore.pruning import Pins, Pruner
 from ckptstore.removal import Remover
+from ckptstore.replica import Replica
 from ckptstore.resolver import Resolver
 from ckptstore.saving import Saver
 from ckptstore.signing import Signer
@@ -50,6 +52,8 @@ class Parts:
     lease: WriterLease | None
     pruner: Pruner
     maintenance: Maintenance
+    replica: Replica
+    """This store as a replication's destination (replica.py)."""
     in_flight: AsyncSaver
     saver: Saver
     adopter: Adopter
@@ -85,7 +89,8 @@ def assemble(
     pins = Pins(backend)
     pruner = Pruner(catalog, remover, options.policy, pins)
     resolver = Resolver(catalog)
-    maintenance = Maintenance(catalog, resolver, committer, remover, pins, pruner, hold)
+    maintenance = Maintenance(catalog, resolver, committer, remover, pins, pruner)
+    replica = Replica(catalog, committer, remover, pruner, hold)
     in_flight = AsyncSaver()
     saver = Saver(
         catalog, committer, remover, lease, pruner.after_save, environment, clock,
@@ -93,7 +98,7 @@ def assemble(
     )  # fmt: skip
     return Parts(
         writer, signer, catalog, remover, committer, resolver, lease, pruner, maintenance,
-        in_flight, saver, Adopter(saver),
+        replica, in_flight, saver, Adopter(saver),
     )  # fmt: skip
 
 

@@ -5,8 +5,8 @@ to :meth:`~harness.scheduler.Scheduler.call`, which parks the calling actor unti
 is chosen and then runs the operation atomically, recording its effects (scheduler.py says why).
 
 ``delete`` of several paths is one atomic operation. Calls that touch no object
-(``delete([])``, ``partial_writes``, ``abort``, ``close``) are not scheduling points: they
-commute with everything.
+(``delete([])``, ``partial_writes``, ``abort``, ``close``, ``address``) are not scheduling
+points: they commute with everything.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import builtins
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
-from ckptstore.backends.base import Capabilities, Chunk, ObjectInfo, PartialWrite
-from ckptstore.errors import NotFoundError, ObjectExistsError, PreconditionFailedError
+from ckptstore.backends.base import Capabilities, Chunk, ObjectAddress, ObjectInfo, PartialWrite
+from ckptstore.errors import ConfigError, NotFoundError, ObjectExistsError, PreconditionFailedError
 from harness.scheduler import Effect, Effects, Scheduler, Stored
 
 T = TypeVar("T")
@@ -94,6 +94,12 @@ class ScheduledBackend:
 
     def copy(self, src: str, dst: str) -> None:
         self._call("copy", (src, dst), lambda: (None, [self._put(dst, self._get(src).data)]))
+
+    def address(self, path: str) -> ObjectAddress | None:
+        return None  # no server-side copy across stores: replication streams
+
+    def copy_in(self, source: ObjectAddress, dst: str, size: int) -> None:
+        raise ConfigError(f"{self.uri}: no server-side copy in (address() is None)")
 
     def stat(self, path: str) -> ObjectInfo | None:
         def apply() -> tuple[ObjectInfo | None, Effects]:

@@ -20,8 +20,14 @@ conditional writes. Without them the base gives the one check-then-write fallbac
 against writers in this process only; the :class:`Capabilities` say so, the first such write
 warns once). :class:`BackendProxy` delegates every member, so a wrapper (fault injection,
 request counting) overrides only what it changes. Every capability is a declared member
-(``read_into_chunks``, ``parallel_writes``), never looked up by ``getattr``, so a proxied
-backend runs the same paths as the one it wraps; the contract suite checks proxies too.
+(``read_into_chunks``, ``parallel_writes``, ``address``), never looked up by ``getattr``, so a
+proxied backend runs the same paths as the one it wraps; the contract suite checks proxies too.
+
+Copies between two backends (replication.py) go server-side where one server can do them:
+``address`` says where an object lives for such a copy and in which *domain* (for S3: one
+endpoint with one set of credentials), and ``copy_in`` copies an address of its own domain
+in. The caller compares domains, so the rule "same server, same credentials" is decided once,
+by each backend for its own addresses, and nothing inspects another backend's internals.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ckptstore.errors import (
+    ConfigError,
     ErrorContext,
     NotFoundError,
     ObjectExistsError,
@@ -64,6 +71,26 @@ class Capabilities:
     parallel_writes: int = 4
     """How many files a save writes at once: 8 on local disks (several fsyncing writers keep a
     disk busier than one), ``max_concurrency`` on S3 (a file that fits one PUT is one request)."""
+
+
+@dataclass(frozen=True)
+class ObjectAddress:
+    """Where a server finds an object for a server-side copy into another backend.
+
+    Two backends whose addresses have equal ``domain`` values can copy between each other
+    without the bytes passing through this process (``copy_in``). The domain is opaque: for
+    S3 a digest of the endpoint and the credentials' settings, so a bucket on another endpoint
+    or under other credentials never compares equal (its bytes are streamed instead).
+    """
+
+    domain: str
+    bucket: str
+    """The container the server knows the object by (an S3 bucket)."""
+    key: str
+    """The object's full key in ``bucket`` (not relative to a store's root)."""
+
+    def __repr__(self) -> str:
+        return f"ObjectAddress(bucket={self.bucket!r}, key={self.key!r})"
 
 
 @dataclass(frozen=True)
@@ -140,6 +167,16 @@ class Backend(Protocol):
 
     def copy(self, src: str, dst: str) -> None:
         """Copy one object to another path, server-side where the backend can."""
+        ...
+
+    def address(self, path: str) -> ObjectAddress | None:
+        """Where a server-side copy into another backend finds the object at ``path``;
+        ``None`` where this backend copies nothing server-side across backends."""
+        ...
+
+    def copy_in(self, source: ObjectAddress, dst: str, size: int) -> None:
+        """Copy the ``size``-byte object at ``source`` (an address of this backend's own
+        domain, as ``address`` gives it) to ``dst``, server-side, whole or not at all."""
         ...
 
     def stat(self, path: str) -> ObjectInfo | None:
@@ -261,6 +298,18 @@ class BaseBackend(abc.ABC):
     def copy(self, src: str, dst: str) -> None:
         """Read the whole object, write it again: override where objects are large."""
         self.write(dst, [self.read(src)])
+
+    def address(self, path: str) -> ObjectAddress | None:
+        """None: no server-side copy across backends; override together with ``copy_in``."""
+        return None
+
+    def copy_in(self, source: ObjectAddress, dst: str, size: int) -> None:
+        """Only reached when a caller ignored ``address``: this backend has no domain."""
+        raise ConfigError(
+            f"{join(self.uri, dst)}: this storage cannot copy objects in server-side (it gives "
+            "no address); stream the bytes instead",
+            **self._where(dst),
+        )
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
         """From ``list``: one pass over everything below ``prefix``; override where the server
@@ -410,6 +459,12 @@ class BackendProxy:
 
     def copy(self, src: str, dst: str) -> None:
         self.inner.copy(src, dst)
+
+    def address(self, path: str) -> ObjectAddress | None:
+        return self.inner.address(path)
+
+    def copy_in(self, source: ObjectAddress, dst: str, size: int) -> None:
+        self.inner.copy_in(source, dst, size)
 
     def stat(self, path: str) -> ObjectInfo | None:
         return self.inner.stat(path)

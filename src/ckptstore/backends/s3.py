@@ -50,16 +50,17 @@ from ckptstore.backends.base import (
     BaseBackend,
     Capabilities,
     Chunk,
+    ObjectAddress,
     ObjectInfo,
     PartialWrite,
     error_context,
 )
 from ckptstore.backends.s3_errors import is_not_found, is_unsupported
-from ckptstore.backends.s3_options import MAX_SINGLE_PUT, S3Options, parse_s3_uri
+from ckptstore.backends.s3_options import S3Options, parse_s3_uri
 from ckptstore.backends.s3_probe import bare, capabilities, probe
 from ckptstore.backends.s3_progress import Progress
 from ckptstore.backends.s3_transfer import Transfers, crc32c_base64, drain, split
-from ckptstore.errors import CheckpointError, NotFoundError, PreconditionFailedError
+from ckptstore.errors import CheckpointError, ConfigError, NotFoundError, PreconditionFailedError
 
 __all__ = ["S3Backend", "S3Options", "parse_s3_uri"]
 
@@ -83,6 +84,7 @@ class S3Backend(BaseBackend):
         endpoint = getattr(getattr(self._client, "meta", None), "endpoint_url", None) or "AWS S3"
         self._endpoint = re.sub(r"//[^/@]*@", "//", str(endpoint))  # no user:password@
         self._errors = s3_errors.Translator(self._bucket, self._endpoint, self._uri)
+        self._domain = self._opts.copy_domain(str(endpoint))
         self._probe_lock = threading.Lock()
         self._caps: Capabilities | None = None
         self._unquoted_if_match = False
@@ -246,26 +248,33 @@ class S3Backend(BaseBackend):
             return self._etag(key, self._transfers.put(key, data))
 
     def copy(self, src: str, dst: str) -> None:
-        source, target = self._key(src), self._key(dst)
+        source = self._key(src)
         info = self.stat(src)
         if info is None:
             raise NotFoundError(
                 f"{self._obj(source)} does not exist (while trying to copy it)",
                 **error_context(self._uri, src),
             )
-        if info.size > MAX_SINGLE_PUT:  # UploadPartCopy: CopyObject stops at 5 GiB
-            with self._translated(source, "copy"):
-                self._transfers.copy(source, target, info.size, part_size=self._opts.part_size)
-            return
-        extra = {"ChecksumAlgorithm": "CRC32C"} if self._opts.checksums else {}
         with self._translated(source, "copy"):
-            self._transfers.call(
-                "copy_object",
-                target,
-                "copy",
-                Key=target,
-                CopySource={"Bucket": self._bucket, "Key": source},
-                **extra,
+            self._transfers.copy(source, self._key(dst), info.size, part_size=self._opts.part_size)
+
+    def address(self, path: str) -> ObjectAddress:
+        """This bucket and key, in the domain of this endpoint and these credentials."""
+        return ObjectAddress(self._domain, self._bucket, self._key(path))
+
+    def copy_in(self, source: ObjectAddress, dst: str, size: int) -> None:
+        """A server-side copy from another bucket (or prefix) of this domain."""
+        origin = f"s3://{source.bucket}/{source.key}"
+        if source.domain != self._domain:
+            raise ConfigError(
+                f"{self._obj(self._key(dst))}: {origin} is on another endpoint or under other "
+                "credentials; it cannot be copied server-side: stream the bytes instead",
+                **error_context(self._uri, dst),
+            )
+        with self._errors.translated(origin, "copy"):
+            part_size = self._opts.part_size
+            self._transfers.copy(
+                source.key, self._key(dst), size, part_size=part_size, bucket=source.bucket
             )
 
     def delete(self, paths: Sequence[str]) -> None:

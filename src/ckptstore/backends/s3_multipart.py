@@ -79,13 +79,14 @@ class Multipart:
         self.run(key, jobs(), part_size=part_size, progress=progress, start=extra)
         return size
 
-    def copy(self, source: str, target: str, size: int, *, part_size: int) -> None:
-        """Server-side copy in parallel UploadPartCopy parts (CopyObject stops at 5 GiB)."""
+    def copy(self, origin: dict[str, str], target: str, size: int, *, part_size: int) -> None:
+        """Server-side copy of ``origin`` (its bucket and key) in parallel UploadPartCopy parts
+        (CopyObject stops at 5 GiB)."""
         step = max(part_size, -(-size // MAX_PARTS))
         progress = Progress(self.moves.name(target), "copy")
         jobs = (
             functools.partial(
-                self._copy_part, source, target, f"bytes={a}-{min(a + step, size) - 1}", progress
+                self._copy_part, origin, target, f"bytes={a}-{min(a + step, size) - 1}", progress
             )
             for a in range(0, size, step)
         )
@@ -231,7 +232,13 @@ class Multipart:
         return entry
 
     def _copy_part(
-        self, source: str, target: str, byte_range: str, progress: Progress, upload_id: str, n: int
+        self,
+        origin: dict[str, str],
+        target: str,
+        byte_range: str,
+        progress: Progress,
+        upload_id: str,
+        n: int,
     ) -> Part:
         out = self.moves.retrier.call(
             f"UploadPartCopy {n}",
@@ -241,7 +248,7 @@ class Multipart:
                 Key=target,
                 UploadId=upload_id,
                 PartNumber=n,
-                CopySource={"Bucket": self.moves.bucket, "Key": source},
+                CopySource=origin,
                 CopySourceRange=byte_range,
             ),
             progress,

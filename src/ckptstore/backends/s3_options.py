@@ -7,7 +7,9 @@ kept out of ``repr`` and out of every message: a message names an option, never 
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -183,6 +185,16 @@ class S3Options:
             client_kwargs=client,
             config=_config(uri, opts, concurrency, stall),
         )
+
+    def copy_domain(self, endpoint: str) -> str:
+        """Who can copy between two backends server-side: one ``endpoint`` (the client's
+        resolved URL, region included on AWS) reached with the same credential settings. A
+        digest, so no secret shows where it is compared; settings left to boto3's chain
+        (environment, profile, role) compare equal, as both clients resolve them alike."""
+        settings = json.dumps(
+            [endpoint, sorted(self.session_kwargs.items())], default=str, sort_keys=True
+        )
+        return "s3:" + hashlib.sha256(settings.encode()).hexdigest()[:24]
 
     def client(self, uri: str) -> Any:
         """A boto3 S3 client; boto3 resolves whatever was not set (env vars, profiles, roles)."""

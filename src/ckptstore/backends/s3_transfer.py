@@ -38,7 +38,11 @@ from ckptstore.backends.base import Chunk
 from ckptstore.backends.s3_backoff import Backoff, backoff_for
 from ckptstore.backends.s3_download import read_body_into
 from ckptstore.backends.s3_multipart import Multipart, PartJob, Upload
-from ckptstore.backends.s3_options import DEFAULT_RETRY_TIMEOUT, DEFAULT_STALL_TIMEOUT
+from ckptstore.backends.s3_options import (
+    DEFAULT_RETRY_TIMEOUT,
+    DEFAULT_STALL_TIMEOUT,
+    MAX_SINGLE_PUT,
+)
 from ckptstore.backends.s3_progress import Meter, Progress, ProgressBody
 from ckptstore.backends.s3_retry import Retrier, mark_worker
 from ckptstore.deadline import current_deadline
@@ -230,8 +234,19 @@ class Transfers:
     def upload(self, key: str, parts: Iterator[bytearray], *, part_size: int) -> int:
         return self.multiparts.upload(key, parts, part_size=part_size)
 
-    def copy(self, source: str, target: str, size: int, *, part_size: int) -> None:
-        self.multiparts.copy(source, target, size, part_size=part_size)
+    def copy(
+        self, source: str, target: str, size: int, *, part_size: int, bucket: str | None = None
+    ) -> None:
+        """Server-side copy of ``source`` in ``bucket`` (default: this one) to ``target`` here:
+        one CopyObject (holding a slot, like a PUT), or parallel UploadPartCopy parts above
+        5 GiB, where CopyObject stops. The copy gets a CRC32C if checksums are on."""
+        origin = {"Bucket": bucket or self.bucket, "Key": source}
+        if size > MAX_SINGLE_PUT:
+            self.multiparts.copy(origin, target, size, part_size=part_size)
+            return
+        extra = {"ChecksumAlgorithm": "CRC32C"} if self.checksums else {}
+        with self.slot(Progress(self.name(target), "copy")):
+            self.call("copy_object", target, "copy", Key=target, CopySource=origin, **extra)
 
     def multipart(self, key: str, jobs: Iterable[PartJob], *, part_size: int, **start: str) -> int:
         return self.multiparts.run(key, jobs, part_size=part_size, start=start)

@@ -42,7 +42,17 @@ from typing import Any
 import click
 
 from ckptstore.backends.registry import scheme_of
-from ckptstore.cli import adopt, bucket, commands, diff, export, manage, reshard, transfer
+from ckptstore.cli import (
+    adopt,
+    bucket,
+    commands,
+    diff,
+    export,
+    manage,
+    replicate,
+    reshard,
+    transfer,
+)
 from ckptstore.cli.common import (
     COUNT,
     EXIT_BACKEND,
@@ -187,6 +197,7 @@ for _command in [
     *reshard.COMMANDS,
     *export.COMMANDS,
     *transfer.COMMANDS,
+    *replicate.COMMANDS,
     *adopt.COMMANDS,
     *bucket.COMMANDS,
 ]:

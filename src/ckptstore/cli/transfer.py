@@ -1,10 +1,11 @@
-"""``ckptstore`` commands that move bytes: push, pull and cp, with progress bars on stderr.
+"""``ckptstore`` commands that move bytes: push and pull, with progress bars on stderr (``cp``
+and ``replicate``, between two stores, are replicate.py's).
 
 The store reports bytes through a ``progress`` callback, from several upload or download threads
 at once; the bar's counter is updated under a lock. By default a bar shows only when stderr is a
 terminal, so logs and CI output stay clean; ``--progress`` forces it.
 
-STEP arguments are positional (``push DIR URI 100``, ``pull URI DIR latest``, ``cp A B 10 20``);
+STEP arguments are positional (``push DIR URI 100``, ``pull URI DIR latest``);
 ``--step`` still works, for older scripts. ``push`` of a verl run directory commits each
 ``global_step_N`` in it, so a run made without the verl integration moves into a store with one
 command (``adopt``, in adopt.py, commits in place a run that is already in the bucket).
@@ -33,10 +34,8 @@ from ckptstore.cli.common import (
     on_store_option,
     open_store,
     parse_pair,
-    resolve_step,
     retention_of,
     retention_options,
-    settings_of,
 )
 from ckptstore.cli.format import human_size, plural, step_record
 from ckptstore.errors import ConflictError, NotFoundError
@@ -366,88 +365,4 @@ def pull_command(
     )
 
 
-# -- cp --------------------------------------------------------------------------------------
-
-
-@click.command("cp")
-@click.argument("src_uri")
-@click.argument("dst_uri")
-@click.argument("step", type=STEP, nargs=-1)
-@click.option("--step", "step_options", type=STEP, multiple=True, help="Same as STEP (repeatable).")
-@click.option(
-    "--dst-storage-option",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Option for DST_URI only, over the global ones (another endpoint or account).",
-)
-@click.option("--dst-endpoint-url", metavar="URL", help="Endpoint for DST_URI only.")
-@writer_options
-@progress_option
-@common_options
-@click.pass_context
-def cp_command(
-    ctx: click.Context,
-    src_uri: str,
-    dst_uri: str,
-    step: Sequence[StepRef],
-    step_options: Sequence[StepRef],
-    dst_storage_option: Sequence[str],
-    dst_endpoint_url: str | None,
-    takeover: bool,
-    progress: bool | None,
-) -> None:
-    """Replicate committed steps (STEPs, default all; 'latest' is SRC_URI's) from SRC_URI
-    to DST_URI, verified. Steps DST_URI holds with the same files are skipped."""
-    dst_options = dict(settings_of(ctx).storage_options)
-    dst_options.update(parse_pair(p, "--dst-storage-option") for p in dst_storage_option)
-    if dst_endpoint_url:
-        dst_options["endpoint_url"] = dst_endpoint_url
-    src = open_store(ctx, src_uri)
-    dst = open_store(
-        ctx,
-        dst_uri,
-        retention=retention_of(ctx),
-        options=dst_options,
-        takeover=takeover,
-    )
-    numbers = sorted({resolve_step(src, s) for s in [*step, *step_options]})
-    chosen = [src.info(s) for s in numbers] if numbers else src.list()
-    if not chosen:
-        raise empty_store(src)
-    todo = [i for i in chosen if not _has_step(dst, i.step)]
-    started = time.perf_counter()
-    with progress_bar(sum(i.size for i in todo), "copy", progress) as update:
-        copied = src.copy_to(dst, [i.step for i in chosen], progress=update)
-    seconds = time.perf_counter() - started
-    done = [i.step for i in copied]
-    skipped = [i.step for i in chosen if i.step not in done]
-    size = sum(i.size for i in copied)
-    data = {
-        "src": src.uri,
-        "dst": dst.uri,
-        "copied": done,
-        "skipped": skipped,
-        "size": size,
-        "seconds": round(seconds, 3),
-    }
-    lines = [f"copied nothing to {dst.uri}"]
-    if done:
-        files = sum(len(i.files) for i in copied)
-        lines = [
-            f"copied {steps_text(done)} to {dst.uri}: {plural(files, 'file')}, "
-            f"{human_size(size)} in {seconds:.2f} s"
-        ]
-    if skipped:
-        lines.append(f"skipped {steps_text(skipped)}: already in {dst.uri} with the same files")
-    emit(ctx, data, "\n".join(lines))
-
-
-def _has_step(store: CheckpointStore, step: int) -> bool:
-    try:
-        store.info(step)
-    except NotFoundError:
-        return False
-    return True
-
-
-COMMANDS = [push_command, pull_command, cp_command]
+COMMANDS = [push_command, pull_command]

@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ckptstore.backends.base import Backend, Capabilities
-from ckptstore.errors import NotFoundError, ObjectExistsError, PreconditionFailedError
+from ckptstore.backends.base import Backend, Capabilities, ObjectAddress
+from ckptstore.errors import ConfigError, NotFoundError, ObjectExistsError, PreconditionFailedError
 
 __all__ = [
     "BackendContract",
@@ -85,7 +85,8 @@ def _race(attempt: Callable[[int], bool], racers: int = RACERS) -> list[int]:
 
 @_quiet
 class ReadWriteContract:
-    """Whole and ranged reads, streamed and failed writes, copies, and what is missing."""
+    """Whole and ranged reads, streamed and failed writes, copies (within the backend, and in
+    from an address of its domain), and what is missing."""
 
     def test_is_a_backend(self, backend: Backend) -> None:
         assert isinstance(backend, Backend)
@@ -199,6 +200,22 @@ class ReadWriteContract:
         assert backend.uri in str(e.value)
         assert "src/missing" in str(e.value)
         assert backend.stat("dst/b") is None
+
+    def test_address_and_copy_in(self, backend: Backend) -> None:
+        """``address`` is None (no server-side copy across backends: ``copy_in`` refuses), or
+        names one domain for every path, and ``copy_in`` from it copies whole."""
+        backend.write("src/a", [b"xyz" * 1000])
+        address = backend.address("src/a")
+        if address is None:
+            with pytest.raises(ConfigError, match="stream the bytes"):
+                backend.copy_in(ObjectAddress("elsewhere", "bucket", "key"), "dst/a", 3000)
+            assert backend.stat("dst/a") is None
+            return
+        other = backend.address("dst/deep/a")
+        assert other is not None and other.domain == address.domain
+        backend.copy_in(address, "dst/deep/a", 3000)
+        assert backend.read("dst/deep/a") == b"xyz" * 1000
+        assert backend.read("src/a") == b"xyz" * 1000
 
 
 @_quiet
