@@ -277,4 +277,5 @@ class Catalog:
 
 def fenced(pointer: Pointer | None, info: CheckpointInfo) -> bool:
     """Whether ``info`` was committed by a writer that had lost the lease (pointer.py)."""
-    return pointer is not None and pointer.fenced(info.step, info.manifest.lease_epoch)
+    manifest = info.manifest
+    return pointer is not None and pointer.fenced(info.step, manifest.writer, manifest.lease_epoch)

@@ -287,9 +287,10 @@ class Committer:
             sleep=self.sleep,
         )
 
-    def stamp_latest(self, epoch: int) -> None:
-        """Stamp ``latest`` (same step) with a new lease epoch and a fence (pointer.py), so an
-        older holder can neither move it nor have a late step of its taken for latest.
+    def stamp_latest(self, epoch: int, displaced: str) -> None:
+        """Stamp ``latest`` (same step) with a new lease epoch and a fence naming the holder
+        it ``displaced`` (pointer.py), so that writer can neither move it nor have a late step
+        of its taken for latest.
 
         The fence stands at the newest step committed now, found by listing, not at the
         pointer's: an older holder killed between its commit and moving ``latest`` committed
@@ -302,7 +303,7 @@ class Committer:
             if current is not None and current.epoch >= epoch:
                 return None
             base = current if current is not None else Pointer(None, self.writer, 0.0)
-            return base.stamped(self.writer, self.clock(), epoch, newest).encode()
+            return base.stamped(self.writer, self.clock(), epoch, displaced, newest).encode()
 
         swap_loop(
             self.backend,

@@ -332,7 +332,11 @@ def _check_step_is_free(saver: Saver, step: int) -> None:
     except CheckpointError:
         manifest = None  # unreadable, but there: committed all the same
     pointer = catalog.pointer_or_none()
-    if manifest is not None and pointer is not None and pointer.fenced(step, manifest.lease_epoch):
+    if (
+        manifest is not None
+        and pointer is not None
+        and pointer.fenced(step, manifest.writer, manifest.lease_epoch)
+    ):
         log.warning(
             "%s: removing step %d, committed by %s after it lost the writer lease (epoch %d); "
             "saving it anew",

@@ -24,9 +24,10 @@ changed by compare-and-swap on the object's version:
   refuses to commit (:class:`~ckptstore.errors.FencedError`, saying why) until reopened.
 
 What remains: a zombie whose renewal succeeded just before a takeover can still write one
-manifest, never ``latest``, in the round trip that follows; its manifest carries its (older)
-epoch, so such a step is recognisable and never taken for latest. Maintenance (``prune``,
-``rm``, ``gc``, pins) takes no lease, so an operator can run it beside a training job.
+manifest, never ``latest``, in the round trip that follows; the takeover's fence in ``latest``
+names that writer (pointer.py), so such a step is recognisable and never taken for latest.
+Maintenance (``prune``, ``rm``, ``gc``, pins) takes no lease, so an operator can run it beside a
+training job.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ckptstore.backends.base import Backend, join
 from ckptstore.errors import (
     BackendError,
     CheckpointError,
+    CompatibilityError,
     ConfigError,
     FencedError,
     LeaseHeldError,
@@ -61,9 +63,10 @@ DEFAULT_TTL = 60.0
 """Seconds without a renewal after which the lease is gone (the heartbeat renews every 1/4)."""
 _ATTEMPTS = 10
 _STOP_WAIT = 10.0
-_HOLDERS: weakref.WeakValueDictionary[str, WriterLease] = weakref.WeakValueDictionary()
-"""The leases this process holds, by writer id: for a contender in this process, which need not
-guess, and for the release at exit (one hook for all, so nothing piles up)."""
+_HOLDERS: weakref.WeakValueDictionary[tuple[str, str], WriterLease] = weakref.WeakValueDictionary()
+"""The leases this process holds, by store URI and writer id (a tiered store's two tiers share
+one writer id): for a contender in this process, which need not guess, and for the release at
+exit (one hook for all, so nothing piles up)."""
 _ABANDONED: queue.SimpleQueue[WriterLease] = queue.SimpleQueue()
 """Leases whose store was collected, for the releaser thread (SimpleQueue.put is safe in a
 finalizer, which may run in any thread at any allocation)."""
@@ -92,7 +95,7 @@ class WriterLease:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
-        on_takeover: Callable[[int], None] | None = None,
+        on_takeover: Callable[[int, str], None] | None = None,
         heartbeat: bool = True,
         process: Process | None = None,
     ) -> None:
@@ -105,7 +108,8 @@ class WriterLease:
         self.monotonic = monotonic
         self.sleep = sleep
         self.on_takeover = on_takeover
-        """Called with the new epoch after this writer took the lease from an unreleased one."""
+        """Called with the new epoch and the displaced holder's writer id when this writer
+        takes the lease from an unreleased one."""
         self.process = process if process is not None else Process.current()
         self.epoch: int | None = None
         """The epoch held, or None."""
@@ -250,7 +254,7 @@ class WriterLease:
             if record is not None and reason is not None:
                 # Fence latest before the lease changes hands: a holder that is not yet fenced
                 # may still move latest, one that is can no longer do it (pointer.py).
-                self._fence_latest(epoch)
+                self._fence_latest(epoch, record.holder)
             started = self.monotonic()
             try:
                 self._version = self.backend.swap(layout.LEASE_NAME, mine.encode(), version)
@@ -258,7 +262,7 @@ class WriterLease:
                 continue  # someone renewed or took it meanwhile: look again
             self.epoch, self._record, self._renewed_at = epoch, mine, started
             self._owner_pid = os.getpid()
-            _HOLDERS[self.writer] = self
+            _HOLDERS[self.backend.uri, self.writer] = self
             _start_releaser()
             if record is not None and reason is not None:
                 log.warning(
@@ -279,7 +283,7 @@ class WriterLease:
             return "takeover=True"
         holder = record.process()
         if holder and holder.pid == self.process.pid and self.process.same_machine(holder):
-            live = _HOLDERS.get(record.holder)
+            live = _HOLDERS.get((self.backend.uri, record.holder))
             if live is not None and live.abandoned:
                 live.release()  # its store was collected: finish that release now, look again
                 return None
@@ -291,11 +295,13 @@ class WriterLease:
             record, version
         )
 
-    def _fence_latest(self, epoch: int) -> None:
+    def _fence_latest(self, epoch: int, displaced: str) -> None:
         if self.on_takeover is None:
             return
         try:
-            self.on_takeover(epoch)
+            self.on_takeover(epoch, displaced)
+        except CompatibilityError:
+            raise  # a pointer of a newer ckptstore: this one must not write the store at all
         except CheckpointError as e:  # the lease itself fences: the zombie's next renewal fails
             log.warning("%s: could not stamp the new lease epoch into latest: %s", self._uri, e)
 
@@ -341,7 +347,7 @@ class WriterLease:
                 e,
             )
         finally:
-            _HOLDERS.pop(self.writer, None)
+            _HOLDERS.pop((self.backend.uri, self.writer), None)
             self.epoch, self._record, self._thread = None, None, None
             self._lock.release()
 

@@ -70,6 +70,7 @@ class CheckpointStore:
         backend: Backend | None = None,
         clock: Callable[[], float] = time.time,
         observer: SaveObserver | None = None,
+        writer: str | None = None,
         **kwargs: Any,
     ) -> None:
         """Open the store at ``uri``; nothing is written until the first save.
@@ -79,7 +80,8 @@ class CheckpointStore:
         ``retention=``), ``storage_options``, ``compat``, ``shard_size``, ``incremental``,
         ``lease``, ``takeover``, ``lease_ttl``, ``signing_key``, ``save_timeout``. A bad
         value raises ConfigError here, not at the first save. A URI that is a committed step's
-        directory is refused (open its store and name the step).
+        directory is refused (open its store and name the step). ``writer`` is the id this
+        store writes as (default: a new ``host:pid:random``).
         """
         if options is not None and kwargs:
             raise ConfigError(f"pass options= or keyword options, not both (got {sorted(kwargs)})")
@@ -88,7 +90,9 @@ class CheckpointStore:
         self.backend = backend or open_backend(uri, opts.storage_options)
         self.uri = self.backend.uri
         self._environment: Environment | None = None
-        parts = assemble(self.backend, opts, clock=clock, environment=self._env, observer=observer)
+        parts = assemble(
+            self.backend, opts, clock=clock, environment=self._env, observer=observer, writer=writer
+        )
         self.writer, self.signer = parts.writer, parts.signer
         (self._catalog, self._remover, self._committer, self._resolver, self._lease,
          self._pruner, self._maintenance, self._replica, self._async, self._saver,

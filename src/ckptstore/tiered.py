@@ -43,8 +43,8 @@ class TieredStore(CheckpointStore):
         assert opts.local is not None  # CheckpointStore.__new__ sends only such options here
         observer = kwargs.get("observer")
         self.persister = Persister(self, self._durable_holds, opts.persist_policy, observer)
-        self.local = CheckpointStore(
-            opts.local, options=local_options(opts), observer=self.persister
+        self.local = CheckpointStore(  # one writer id: a fence here names its steps there
+            opts.local, options=local_options(opts), observer=self.persister, writer=self.writer
         )
         self.persister.local = self.local
         self._writing = False

@@ -66,9 +66,11 @@ def assemble(
     clock: Callable[[], float],
     environment: Callable[[], Environment],
     observer: SaveObserver | None,
+    writer: str | None = None,
 ) -> Parts:
-    """Build and connect the engines of a store over ``backend``."""
-    writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    """Build and connect the engines of a store over ``backend``, writing as ``writer`` (a
+    new id unless given: a tiered store's local tier shares its store's, pointer.py)."""
+    writer = writer or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     key = key_bytes(options.signing_key) if options.signing_key is not None else None
     key = key if key is not None else signing_key_from_env()
     signer = Signer(key) if key is not None else None

@@ -70,10 +70,15 @@ def manifest_step(path: str) -> int | None:
     return layout.parse_step_dir(head) if name == layout.MANIFEST_NAME else None
 
 
-def fenced(pointer: Mapping[str, Any] | None, step: int, lease_epoch: int) -> bool:
-    """Whether a step committed under ``lease_epoch`` belongs to a fenced writer (pointer.py)."""
+def fenced(pointer: Mapping[str, Any] | None, step: int, manifest: Manifest) -> bool:
+    """Whether ``manifest``'s step belongs to a fenced writer (pointer.py): a fence names the
+    displaced writer (schema 3) or, in a schema 2 pointer, an epoch."""
     fences = pointer.get("fences", []) if pointer is not None else []
-    return lease_epoch > 0 and any(lease_epoch < e and step > s for e, s in fences)
+    epoch = _epoch(manifest)
+    return any(
+        step > f[1] and (manifest.writer == f[2] if len(f) == 3 else 0 < epoch < f[0])
+        for f in fences
+    )
 
 
 @dataclass(frozen=True)
@@ -204,7 +209,7 @@ class Checker:
         latest = _step_of(pointer) if pointer is not None else None
         if role == "gc":
             return "gc-spares-committed", f"gc uncommitted step {step}"
-        if fenced(pointer, step, _epoch(manifest)):
+        if fenced(pointer, step, manifest):
             return None  # a fenced writer's late step: never latest, removed by the protocol
         if role != "pruner":
             return "retention-deletes-safely", f"{actor} ({role}) uncommitted step {step}"
@@ -292,7 +297,7 @@ class Checker:
         """A fresh store resumes from the newest unfenced committed step, with a saved state."""
         name = "resume-loads-a-saved-state"
         pointer = _json(self.backend.objects.get(layout.LATEST_NAME))
-        steps = [s for s, m in self.committed_steps().items() if not fenced(pointer, s, _epoch(m))]
+        steps = [s for s, m in self.committed_steps().items() if not fenced(pointer, s, m)]
         try:
             info = store.latest()
             if info is None:
