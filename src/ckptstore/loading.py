@@ -170,14 +170,7 @@ def download_step(
             step=info.step,
         )
     backend = catalog.backend
-    sizes = catalog.payload_sizes(info.step)
-    for entry in entries:  # a missing or resized file fails the pull before any download
-        path = entry.key(info.step)
-        actual = sizes.get(path)
-        if actual is None:
-            raise missing_file(join(backend.uri, path), path, info.step)
-        if actual != entry.size:
-            raise size_mismatch(join(backend.uri, path), actual, entry.size, info.step, path)
+    _check_sizes(catalog, info.step, entries)  # a missing or resized file: before any download
     stop = threading.Event()
 
     with ChunkReader(backend.read, stop=stop) as reader:
@@ -199,6 +192,18 @@ def download_step(
             move_into_place(tmp, dest)
 
         download_dir(entries, target, fetch, force=force, delete=delete, selected=takes, stop=stop)
+
+
+def _check_sizes(catalog: Catalog, step: int, entries: Iterable[FileEntry]) -> None:
+    """One listing: every file of ``entries`` is there with its manifest size."""
+    sizes = catalog.payload_sizes(step)
+    for entry in entries:
+        path = entry.key(step)
+        actual = sizes.get(path)
+        if actual is None:
+            raise missing_file(join(catalog.backend.uri, path), path, step)
+        if actual != entry.size:
+            raise size_mismatch(join(catalog.backend.uri, path), actual, entry.size, step, path)
 
 
 def _passing(

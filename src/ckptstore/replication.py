@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ckptstore import layout
 from ckptstore.copying import READ_AHEAD, READ_CHUNK, FileCopier
@@ -56,8 +56,20 @@ from ckptstore.payload import Progress
 from ckptstore.replica import Replica
 from ckptstore.resolver import Resolver
 
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
+
+class Replicable(Protocol):
+    """A store as replication sees it (CheckpointStore): a resolver to read, a replica to
+    write."""
+
+    @property
+    def uri(self) -> str: ...
+
+    @property
+    def resolver(self) -> Resolver: ...
+
+    @property
+    def replica(self) -> Replica: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +282,8 @@ class Replicator:
 
 
 def replicate(
-    src: CheckpointStore,
-    dst: CheckpointStore,
+    src: Replicable,
+    dst: Replicable,
     steps: Iterable[int] | None = None,
     *,
     progress: Progress | None = None,
@@ -295,8 +307,8 @@ def replicate(
 
 
 def follow(
-    src: CheckpointStore,
-    dst: CheckpointStore,
+    src: Replicable,
+    dst: Replicable,
     steps: Iterable[int] | None = None,
     *,
     interval: float = DEFAULT_INTERVAL,

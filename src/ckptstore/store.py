@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from ckptstore import layout
-from ckptstore.adoption import ForeignStep
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
 from ckptstore.background import SaveHandle
@@ -29,16 +28,14 @@ from ckptstore.deadline import within
 from ckptstore.environment import current_environment, world_size
 from ckptstore.errors import ConfigError
 from ckptstore.follow import DEFAULT_INTERVAL, wait_for_step
-from ckptstore.garbage import GC_GRACE_SECONDS, GarbageCollector
-from ckptstore.info import CheckpointInfo, GcReport, Loaded, VerifyReport
+from ckptstore.info import CheckpointInfo, Loaded
 from ckptstore.loading import download_step, load_state
-from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry, check_metadata
+from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry
 from ckptstore.observer import SaveObserver
 from ckptstore.options import StoreOptions
 from ckptstore.payload import Progress, SourceFile
-from ckptstore.replica import Replica
-from ckptstore.replication import replicate
-from ckptstore.resolver import Resolved, Resolver
+from ckptstore.resolver import Resolved
+from ckptstore.store_upkeep import StoreUpkeep
 from ckptstore.transfer import check_target
 from ckptstore.wiring import assemble
 
@@ -49,7 +46,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class CheckpointStore:
+class CheckpointStore(StoreUpkeep):
     """Atomic, verified checkpoints under one URI (local path, NFS, ``s3://``, fsspec URL)."""
 
     tiered: type[CheckpointStore] | None = None
@@ -196,22 +193,6 @@ class CheckpointStore:
         step = layout.check_step(step)
         return self._saver.push_dir(step, Path(local_dir), metadata, progress, allow_older)
 
-    def adopt(
-        self,
-        step: int | None = None,
-        *,
-        metadata: Mapping[str, Any] | None = None,
-        progress: Progress | None = None,
-    ) -> builtins.list[CheckpointInfo]:
-        """Commit in place step directories ckptstore did not write (adoption.py)."""
-        user_metadata = check_metadata(metadata)
-        self._async.drain()
-        return self._adopter.adopt(step, user_metadata, progress)
-
-    def adoptable(self, step: int | None = None) -> builtins.list[ForeignStep]:
-        """What ``adopt(step)`` would commit, without reading or writing a byte of it."""
-        return self._adopter.find(step)
-
     # -- multi-process saves (coordination.py) -----------------------------------------------
 
     def begin_save(
@@ -296,11 +277,6 @@ class CheckpointStore:
         """Committed steps a writer committed after it lost the lease: never loaded as latest."""
         return self._resolver.fenced_steps(infos)
 
-    @property
-    def resolver(self) -> Resolver:
-        """Which step a load starts from (resolver.py), for faces that load on many ranks."""
-        return self._resolver
-
     # fmt: off
     @overload
     def load(self, step: int | None = None, *, fallback: bool = True, allow_pickle: bool = False,
@@ -360,62 +336,6 @@ class CheckpointStore:
 
         return self._resolve(step, fallback, pull).info
     # fmt: on
-
-    # -- many steps at once (maintenance.py, pruning.py, garbage.py) -----------------------
-
-    def verify(self, step: int | None = None) -> VerifyReport:
-        """Check every file of ``step`` (default: latest) against its manifest."""
-        return self._maintenance.verify(None if step is None else layout.check_step(step))
-
-    def verify_all(self) -> builtins.list[VerifyReport]:
-        """``verify`` for every committed step, including those with unreadable manifests."""
-        return self._maintenance.verify_all()
-
-    def pin(self, step: int) -> None:
-        """Protect a committed step from retention until ``unpin``."""
-        self._maintenance.pin(layout.check_step(step))
-
-    def unpin(self, step: int) -> bool:
-        """Remove a pin; returns False if the step was not pinned."""
-        return self._maintenance.pins.remove(layout.check_step(step))
-
-    def pins(self) -> builtins.list[int]:
-        """The pinned steps, ascending."""
-        return self._maintenance.pins.steps()
-
-    def prune(self, dry_run: bool = False) -> builtins.list[int]:
-        """Delete the committed steps the retention policy does not keep; returns them."""
-        return self._pruner.prune(dry_run)
-
-    def delete(self, step: int, *, force: bool = False) -> None:
-        """Delete a committed step; ``latest`` or a pinned one needs ``force``."""
-        self._maintenance.delete(layout.check_step(step), force)
-
-    def copy_to(
-        self,
-        other: CheckpointStore,
-        steps: Iterable[int] | None = None,
-        *,
-        progress: Progress | None = None,
-    ) -> builtins.list[CheckpointInfo]:
-        """Replicate committed steps (default: all) into ``other``, streamed and verified
-        (``replication.replicate`` returns the whole report); raises if a step fails its check."""
-        report = replicate(self, other, steps, progress=progress)
-        report.raise_failures()
-        return report.copied
-
-    @property
-    def replica(self) -> Replica:
-        """This store as the destination of a replication (replica.py, replication.py)."""
-        return self._replica
-
-    def gc(self, dry_run: bool = False, *, older_than: float = GC_GRACE_SECONDS) -> GcReport:
-        """Remove what failed saves and interrupted removals left, once proven dead
-        (garbage.py); NotFoundError, deleting nothing, if the URI holds no store."""
-        collector = GarbageCollector(
-            self._catalog, self._remover, self.clock, dry_run=dry_run, older_than=older_than
-        )
-        return collector.run()
 
 
 def _refuse_step_directory(uri: str, catalog: Catalog) -> None:

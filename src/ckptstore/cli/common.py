@@ -108,6 +108,52 @@ def _on_verbose(ctx: click.Context, _: click.Parameter, value: int) -> None:
             logging.getLogger().setLevel(logging.DEBUG)
 
 
+STORAGE_OPTIONS = [
+    click.option(
+        "--storage-option",
+        "-o",
+        multiple=True,
+        metavar="KEY=VALUE",
+        expose_value=False,
+        callback=_on_storage_option,
+        help="Backend option (repeatable); VALUE is parsed as JSON when it parses. "
+        "Applies to remote URIs; local paths take none.",
+    ),
+    click.option(
+        "--endpoint-url",
+        metavar="URL",
+        expose_value=False,
+        callback=_storage_option("endpoint_url"),
+        help="S3-compatible endpoint (MinIO, Ceph, R2, moto); same as -o endpoint_url=URL.",
+    ),
+    click.option(
+        "--profile",
+        metavar="NAME",
+        expose_value=False,
+        callback=_storage_option("profile"),
+        help="S3: the AWS profile (~/.aws/config) to use; same as -o profile=NAME.",
+    ),
+    click.option(
+        "--region",
+        metavar="NAME",
+        expose_value=False,
+        callback=_storage_option("region"),
+        help="S3: the bucket's region, e.g. eu-west-1; same as -o region=NAME.",
+    ),
+]
+"""How to reach the storage: the options of every command."""
+
+VERBOSE = click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    expose_value=False,
+    callback=_on_verbose,
+    help="Log what ckptstore does (-v), in detail (-vv), with libraries (-vvv); "
+    "print tracebacks on errors.",
+)
+
+
 def global_options(*, loads: bool = False, output: bool = True) -> Callable[[F], F]:
     """The options every command accepts, before or after its name.
 
@@ -115,65 +161,24 @@ def global_options(*, loads: bool = False, output: bool = True) -> Callable[[F],
     ``output``: ``--json`` applies. Options that do not apply stay accepted (scripts that
     pass them keep working) but hidden from ``--help``.
     """
-    decorators = [
-        click.option(
-            "--storage-option",
-            "-o",
-            multiple=True,
-            metavar="KEY=VALUE",
-            expose_value=False,
-            callback=_on_storage_option,
-            help="Backend option (repeatable); VALUE is parsed as JSON when it parses. "
-            "Applies to remote URIs; local paths take none.",
-        ),
-        click.option(
-            "--endpoint-url",
-            metavar="URL",
-            expose_value=False,
-            callback=_storage_option("endpoint_url"),
-            help="S3-compatible endpoint (MinIO, Ceph, R2, moto); same as -o endpoint_url=URL.",
-        ),
-        click.option(
-            "--profile",
-            metavar="NAME",
-            expose_value=False,
-            callback=_storage_option("profile"),
-            help="S3: the AWS profile (~/.aws/config) to use; same as -o profile=NAME.",
-        ),
-        click.option(
-            "--region",
-            metavar="NAME",
-            expose_value=False,
-            callback=_storage_option("region"),
-            help="S3: the bucket's region, e.g. eu-west-1; same as -o region=NAME.",
-        ),
-        click.option(
-            "--json",
-            "as_json",
-            is_flag=True,
-            expose_value=False,
-            callback=_on_json,
-            hidden=not output,
-            help="Print machine-readable JSON on stdout (on failure: an error object).",
-        ),
-        click.option(
-            "--compat",
-            type=click.Choice(COMPAT_MODES),
-            expose_value=False,
-            callback=_on_compat,
-            hidden=not loads,
-            help="What a version difference does on load: strict (refuse), warn (default), ignore.",
-        ),
-        click.option(
-            "-v",
-            "--verbose",
-            count=True,
-            expose_value=False,
-            callback=_on_verbose,
-            help="Log what ckptstore does (-v), in detail (-vv), with libraries (-vvv); "
-            "print tracebacks on errors.",
-        ),
-    ]
+    as_json = click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        expose_value=False,
+        callback=_on_json,
+        hidden=not output,
+        help="Print machine-readable JSON on stdout (on failure: an error object).",
+    )
+    compat = click.option(
+        "--compat",
+        type=click.Choice(COMPAT_MODES),
+        expose_value=False,
+        callback=_on_compat,
+        hidden=not loads,
+        help="What a version difference does on load: strict (refuse), warn (default), ignore.",
+    )
+    decorators = [*STORAGE_OPTIONS, as_json, compat, VERBOSE]
 
     def decorate(f: F) -> F:
         for option in reversed(decorators):

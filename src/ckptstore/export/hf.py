@@ -39,7 +39,7 @@ from ckptstore.export.plan import (
     DTYPES,
     KeyMap,
 )
-from ckptstore.export.records import find_record, write_record
+from ckptstore.export.records import ExportRecord, find_record, write_record
 from ckptstore.export.source import StepSource
 from ckptstore.export.target import Target, open_target
 from ckptstore.export.writer import ModelWriter
@@ -105,18 +105,10 @@ def export_hf(
     info = _resolve(store, step)
     wanted = _dtype(dtype)
     keymap = KeyMap.parse(key_prefix_map)
-    options = {
-        "role": role,
-        "dtype": dtype,
-        "shard_size": shard_size,
-        "merge_lora": merge_lora,
-        "key_prefix_map": [list(rule) for rule in keymap.rules],
-    }
+    options: dict[str, Any] = {"role": role, "dtype": dtype, "shard_size": shard_size}
+    options |= {"merge_lora": merge_lora, "key_prefix_map": [list(r) for r in keymap.rules]}
     chunk, parts = memory_plan(shard_size)
-    out_options = dict(storage_options or {})
-    if scheme_of(os.fspath(out)) == "s3":
-        out_options = parts | out_options  # what the caller set wins
-    target = open_target(out, out_options)
+    target = _open_out(out, storage_options, parts)
     try:
         existing = target.existing_index()
         if existing is not None:
@@ -130,13 +122,7 @@ def export_hf(
             target.commit(index)
             bytes_read = source.bytes_read
         record = writer.record(info.step, target.uri, options, index)
-        try:
-            write_record(store.backend, record)
-        except CheckpointError as e:  # the export is published; only its record is missing
-            log.warning(
-                "exported step %d to %s, but could not record it: %s", info.step, target.uri, e
-            )
-            record.notes.append(f"not recorded beside the step ({e})")
+        _record_beside_the_step(store, record)
     except BaseException:
         target.abort()
         raise
@@ -157,6 +143,27 @@ def export_hf(
         notes=tuple(record.notes),
         peak_tensor_bytes=report.peak,
     )
+
+
+def _open_out(
+    out: str | os.PathLike[str], storage_options: Mapping[str, Any] | None, parts: Mapping[str, Any]
+) -> Target:
+    """The export's target; an S3 one writes parts sized by the memory plan unless the caller
+    set them."""
+    out_options = dict(storage_options or {})
+    if scheme_of(os.fspath(out)) == "s3":
+        out_options = {**parts, **out_options}
+    return open_target(out, out_options)
+
+
+def _record_beside_the_step(store: CheckpointStore, record: ExportRecord) -> None:
+    try:
+        write_record(store.backend, record)
+    except CheckpointError as e:  # the export is published; only its record is missing
+        log.warning(
+            "exported step %d to %s, but could not record it: %s", record.step, record.out, e
+        )
+        record.notes.append(f"not recorded beside the step ({e})")
 
 
 def _already(

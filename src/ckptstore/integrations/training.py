@@ -51,16 +51,15 @@ from __future__ import annotations
 import logging
 import math
 import signal
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ckptstore.errors import CheckpointError, ConfigError
+from ckptstore.integrations.preemption import PreemptionSignals
 from ckptstore.integrations.training_state import (
     Stateful,
     resume,
@@ -79,7 +78,6 @@ log = logging.getLogger(__name__)
 
 ShouldSave = Callable[[int, Mapping[str, Any]], "bool | None"]
 """``should_save(step, metrics)``: True forces a save, False vetoes one, None: the schedule."""
-_SignalHandler = Callable[[int, "FrameType | None"], Any] | int | None
 _Objects = tuple["Stateful", "Stateful", "Stateful | None", "Mapping[str, Any] | None"]
 
 
@@ -109,27 +107,9 @@ class CheckpointCallback:
         clock: Callable[[], float] = time.monotonic,
         max_failed_saves: int = 3,
     ) -> None:
-        if save_freq is not None and (
-            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
-        ):
-            raise ConfigError(f"save_freq must be a positive number of steps, got {save_freq!r}")
-        if save_interval_seconds is not None and (
-            isinstance(save_interval_seconds, bool)
-            or not isinstance(save_interval_seconds, (int, float))
-            or not save_interval_seconds > 0
-        ):
-            raise ConfigError(
-                "save_interval_seconds must be a positive number of seconds, got "
-                f"{save_interval_seconds!r}"
-            )
-        if (
-            isinstance(max_failed_saves, bool)
-            or not isinstance(max_failed_saves, int)
-            or (max_failed_saves < 1)
-        ):
-            raise ConfigError(
-                f"max_failed_saves must be a positive number of saves, got {max_failed_saves!r}"
-            )
+        _check_positive("save_freq", save_freq, "steps", int)
+        _check_positive("save_interval_seconds", save_interval_seconds, "seconds", (int, float))
+        _check_positive("max_failed_saves", max_failed_saves, "saves", int)
         self.store = store
         self.max_failed_saves = max_failed_saves
         self.failed_saves = 0
@@ -145,12 +125,8 @@ class CheckpointCallback:
         """True once a preemption signal arrived and its step is committed: exit the loop."""
         self.last_saved_step: int | None = None
         self._last_save_time = clock()
-        self._signal: int | None = None
-        self._passed_on = False
-        self._closed = False
-        self._previous: dict[int, _SignalHandler] = {}
         self._last_call: tuple[Any, ...] | None = None
-        self._install(preemption_signals)
+        self._signals = PreemptionSignals(preemption_signals)
 
     # -- the loop's calls ----------------------------------------------------------------
 
@@ -169,9 +145,9 @@ class CheckpointCallback:
         Returns the save's handle (async) or info (sync), or None when nothing was saved.
         """
         self._last_call = (step, model, optimizer, scheduler, extra, metrics)
-        if self.preempted and not self._passed_on:
-            self._pass_on_signal()  # the loop did not stop: do what the signal did before us
-        elif self._signal is not None and not self.preempted:
+        if self.preempted and not self._signals.passed_on:
+            self._signals.pass_on()  # the loop did not stop: do what the signal did before us
+        elif self._signals.received is not None and not self.preempted:
             return self._save_preempted(step, model, optimizer, scheduler, extra, metrics)
         reason = self._reason(step, metrics)
         if reason is None:
@@ -209,7 +185,7 @@ class CheckpointCallback:
 
     def close(self) -> None:
         """Put the previous signal handlers back, then wait for the save in flight."""
-        self._uninstall()
+        self._signals.uninstall()
         self.store.wait()
 
     def __enter__(self) -> CheckpointCallback:
@@ -353,7 +329,10 @@ class CheckpointCallback:
         extra: Mapping[str, Any] | None,
         metrics: Mapping[str, Any] | None,
     ) -> CheckpointInfo | None:
-        log.warning("%s: preempted (signal %s); saving step %d", self.store.uri, self._signal, step)
+        signal_number = self._signals.received
+        log.warning(
+            "%s: preempted (signal %s); saving step %d", self.store.uri, signal_number, step
+        )
         try:
             self.store.wait()
         except CheckpointError as e:  # the grace period is for this save: report, go on
@@ -364,51 +343,18 @@ class CheckpointCallback:
         self.preempted = True
         return info
 
-    # -- signals -------------------------------------------------------------------------
 
-    def _install(self, signals: Sequence[int]) -> None:
-        if not signals:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            log.warning(
-                "CheckpointCallback created outside the main thread: no preemption handler "
-                "(signal handlers can only be set from the main thread)"
-            )
-            return
-        for number in signals:
-            self._previous[number] = signal.signal(number, self._on_signal)
-
-    def _on_signal(self, number: int, frame: FrameType | None) -> None:
-        if self._closed:  # closed while a later handler was on top, which put this one back
-            self._forward(number, frame)
-        elif self._signal is not None:  # a second signal: do what was done before us, now
-            self._pass_on_signal(number)
-        else:
-            self._signal = number
-
-    def _pass_on_signal(self, number: int | None = None) -> None:
-        """Put the previous handlers back and raise the signal again, once."""
-        number = number if number is not None else self._signal
-        self._passed_on = True
-        self._uninstall()
-        if number is not None:
-            signal.raise_signal(number)
-
-    def _forward(self, number: int, frame: FrameType | None) -> None:
-        previous = self._previous.get(number)
-        if callable(previous):
-            previous(number, frame)
-        elif previous != signal.SIG_IGN:
-            signal.signal(number, signal.SIG_DFL)
-            signal.raise_signal(number)
-
-    def _uninstall(self) -> None:
-        """Put back each previous handler where this one is still on top; elsewhere this
-        handler stays in the chain, and forwards what it gets from now on."""
-        self._closed = True
-        for number, previous in self._previous.items():
-            if signal.getsignal(number) == self._on_signal:
-                signal.signal(number, signal.SIG_DFL if previous is None else previous)
+def _check_positive(name: str, value: object, unit: str, kind: type | tuple[type, ...]) -> None:
+    """ConfigError unless ``value`` is None or a positive number of ``kind``."""
+    if value is None:
+        return
+    if not (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and isinstance(value, kind)
+        and value > 0
+    ):
+        raise ConfigError(f"{name} must be a positive number of {unit}, got {value!r}")
 
 
 def _metadata(metrics: Mapping[str, Any] | None, reason: str) -> dict[str, Any]:
