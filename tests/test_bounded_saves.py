@@ -219,3 +219,39 @@ def test_cli_push_with_a_save_timeout_fails_by_it_and_commits_nothing(
     assert open_uploads(s3_client, s3_bucket) == []
     with CheckpointStore(s3_uri, storage_options={"endpoint_url": proxy.endpoint_url}) as store:
         assert store.list() == []
+
+
+def test_cli_replicate_with_a_save_timeout_fails_by_it_and_the_next_pass_commits(
+    proxy: FaultProxy,
+    s3_uri: str,
+    s3_client: Any,
+    s3_bucket: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A step's copy into DST is a save there: it commits within DST's ``save_timeout`` or
+    fails, committing nothing and leaving no upload open; the next pass finishes it."""
+    from ckptstore.cli.main import run
+
+    source = str(tmp_path / "src")
+    with CheckpointStore(source) as src:
+        for step in (1, 2):
+            src.save(step, state_for(step))
+    fault = proxy.add_fault(Fault.stall(glob=PAYLOAD_OF_STEP_2))
+    args = ["replicate", source, s3_uri, "--save-timeout", str(SAVE_TIMEOUT)]
+    args += ["--endpoint-url", proxy.endpoint_url, "-o", "part_size=5242880"]
+    args += ["-o", "stall_timeout=0.5"]
+    started = time.monotonic()
+    assert run(args) == 6  # a storage error: the storage was too slow for the deadline
+    assert time.monotonic() - started < SAVE_TIMEOUT + MARGIN
+    assert fault.fired > 0
+    assert "global_step_2" in capsys.readouterr().err  # names the file it was at
+    assert open_uploads(s3_client, s3_bucket) == []
+    endpoint = {"endpoint_url": proxy.endpoint_url}
+    with CheckpointStore(s3_uri, storage_options=endpoint, lease=False) as dst:
+        assert 2 not in [i.step for i in dst.list()]  # nothing half-committed
+    fault.off()
+    assert run(args) == 0
+    with CheckpointStore(s3_uri, storage_options=endpoint, lease=False) as dst:
+        assert [i.step for i in dst.list()] == [1, 2]
+        assert same(dst.load(), state_for(2))

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from ckptstore.backends.base import Backend, join
+from ckptstore.deadline import submit
 from ckptstore.errors import NotFoundError
 from ckptstore.manifest import FileEntry
 from ckptstore.payload import Progress
@@ -122,7 +123,7 @@ class FileCopier:
         )
         first: BaseException | None = None
         with reader, ThreadPoolExecutor(workers, thread_name_prefix="ckpt-replicate") as pool:
-            futures = [pool.submit(self._copy_one, reader, step, e, progress) for e in entries]
+            futures = [submit(pool, self._copy_one, reader, step, e, progress) for e in entries]
             try:
                 for future in as_completed(futures):
                     error = future.exception()

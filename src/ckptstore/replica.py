@@ -54,6 +54,9 @@ class Replica:
     pruner: Pruner
     hold_lease: Callable[[], int]
     """Take or renew this store's writer lease; its epoch (0 without leases)."""
+    save_timeout: float | None = None
+    """Each step's copy and commit into this store commits within it or fails
+    (:class:`~ckptstore.errors.SaveTimeoutError`), as a save here would."""
 
     @property
     def backend(self) -> Backend:

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from ckptstore import layout
 from ckptstore.copying import READ_AHEAD, READ_CHUNK, FileCopier
+from ckptstore.deadline import within
 from ckptstore.errors import (
     BackendError,
     CheckpointError,
@@ -247,7 +248,19 @@ class Replicator:
     ) -> tuple[CheckpointInfo, int] | CheckpointError:
         """Copy what is missing of one step and commit it: the step's info and the lease
         epoch, or the error of a source file that failed its check (then nothing is committed
-        and what was staged is removed). Errors on the destination's side are raised."""
+        and what was staged is removed). Errors on the destination's side are raised, its
+        ``save_timeout`` (SaveTimeoutError) included: files copied whole stay staged, and the
+        next pass resumes from them."""
+        with within(self.replica.save_timeout, operation="save"):
+            return self._copy_within(manifest, copier, report, progress)
+
+    def _copy_within(
+        self,
+        manifest: Manifest,
+        copier: FileCopier,
+        report: ReplicationReport,
+        progress: Progress | None,
+    ) -> tuple[CheckpointInfo, int] | CheckpointError:
         step = manifest.step
         missing = self.replica.prepare(manifest)
         resumed = [f for f in manifest.files if f not in missing]

@@ -92,7 +92,7 @@ def assemble(
     pruner = Pruner(catalog, remover, options.policy, pins)
     resolver = Resolver(catalog)
     maintenance = Maintenance(catalog, resolver, committer, remover, pins, pruner)
-    replica = Replica(catalog, committer, remover, pruner, hold)
+    replica = Replica(catalog, committer, remover, pruner, hold, options.save_timeout)
     in_flight = AsyncSaver()
     saver = Saver(
         catalog, committer, remover, lease, pruner.after_save, environment, clock,
