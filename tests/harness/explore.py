@@ -9,7 +9,8 @@ run as actors over :class:`~harness.scheduled_backend.ScheduledBackend`, where e
 backend call parks its actor until the explorer picks who goes next. A schedule is the sequence
 of picks. The explorer enumerates a scenario's (scenarios.py) schedules depth first, replaying
 each one from scratch (fresh backend and stores, the scenario's setup restored), and checks the
-protocol's invariants (invariants.py) after every operation and at the end of each schedule.
+protocol's invariants after every operation (invariants.py, lease_checks.py) and, at the end of
+each schedule, what must be left (cleanup.py) and what a fresh store resumes from.
 
 The bound, CHESS-style (Musuvathi and Qadeer, "Iterative context bounding", PLDI 2007):
 
@@ -39,13 +40,17 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
+from ckptstore.lease_record import Process
+from harness.cleanup import Final, only_committed_left
 from harness.invariants import READS, WRITES, Checker, Failure, Violation, short, trace
 from harness.scenarios import SCENARIOS, Scenario, World
 from harness.scheduler import (
     Abandoned,
     Choice,
     Crashed,
+    Event,
     ExplorerError,
     inline_thread_pools,
 )
@@ -186,11 +191,11 @@ def _run(scenario: Scenario, replay: _Replay, prepared: dict[str, World]) -> Fai
     checker.roles.update({a.name: a.role for a in actors})
     setup, first = world.scheduler.time, len(world.scheduler.events)
     world.scheduler.run(actors, replay.choose)
-    violation = checker.violation or _after_run(world, checker)
+    events = world.scheduler.events[first:]
+    violation = checker.violation or _after_run(world, checker, scenario.final, events)
     world.scheduler.observers.clear()
     if violation is None:
         return None
-    events = world.scheduler.events[first:]
     ran = [e.seq for e in events if e.op in READS | WRITES and e.outcome != "killed"]
     if violation.seq >= 0:
         ran = [seq for seq in ran if seq <= violation.seq]
@@ -205,7 +210,9 @@ def _run(scenario: Scenario, replay: _Replay, prepared: dict[str, World]) -> Fai
     )
 
 
-def _after_run(world: World, checker: Checker) -> Violation | None:
+def _after_run(
+    world: World, checker: Checker, finals: Sequence[Final], events: Sequence[Event]
+) -> Violation | None:
     error = world.scheduler.internal_error
     if isinstance(error, ExplorerError):
         raise error
@@ -213,16 +220,22 @@ def _after_run(world: World, checker: Checker) -> Violation | None:
         raise ExplorerError(f"the invariant checker failed: {error!r}") from error
     for actor, failure in world.scheduler.failures.items():
         return Violation("actors-fail-cleanly", f"{actor} raised {short(repr(failure))}", -1)
+    for final in (*finals, only_committed_left):
+        found = final(checker, events)
+        if found is not None:
+            return found
     world.scheduler.phase = "resume"
     return checker.check_resume(world.store(lease=False), world.saved)
 
 
 @contextlib.contextmanager
 def _exploring() -> Iterator[None]:
-    """Inline thread pools; quiet logs (thousands of runs log their warnings); and no report
-    of a killed actor's store failing to release its lease when it is collected."""
+    """Inline thread pools; quiet logs (thousands of runs log their warnings); no report of a
+    killed actor's store failing to release its lease when it is collected; and this process
+    described once (each leased store and each gc would read ``/proc`` for the same answer)."""
     logger = logging.getLogger("ckptstore")
     level, hook = logger.level, sys.unraisablehook
+    this_process = Process.current()
 
     def unraisable(report: Any) -> None:
         if not isinstance(report.exc_value, (Crashed, Abandoned)):
@@ -230,8 +243,9 @@ def _exploring() -> Iterator[None]:
 
     logger.setLevel(logging.CRITICAL + 1)
     sys.unraisablehook = unraisable
+    described = mock.patch.object(Process, "current", return_value=this_process)
     try:
-        with inline_thread_pools():
+        with inline_thread_pools(), described:
             yield
     finally:
         logger.setLevel(level)
@@ -248,9 +262,10 @@ def summary(results: Sequence[ScenarioResult]) -> str:
     crashes = max((r.bounds.crashes for r in results), default=0)
     failed = sum(len(r.failures) for r in results)
     verdict = f"{failed} invariant(s) violated" if failed else "all invariants held"
+    scenarios = f"{len(results)} scenario{'s' if len(results) != 1 else ''}"
     return (
-        f"explored {sum(r.schedules for r in results)} schedules of 2 writers + pruner + gc + "
-        f"crash ({text}, <={crashes} crash): {verdict}"
+        f"explored {sum(r.schedules for r in results)} schedules of {scenarios} "
+        f"({text}, <={crashes} crash): {verdict}"
     )
 
 

@@ -23,7 +23,8 @@ from typing import Any
 from ckptstore import layout
 from ckptstore.checksum import Crc32c
 from ckptstore.errors import CheckpointError
-from ckptstore.manifest import FileEntry, Manifest
+from ckptstore.manifest import KIND_DIRECTORY, FileEntry, Manifest
+from harness.lease_checks import LeaseWatch
 from harness.scheduled_backend import ScheduledBackend
 from harness.scheduler import Effect, Event, Stored
 
@@ -35,6 +36,15 @@ INVARIANTS = {
     "retention-deletes-safely": "only retention deletes a step: below latest, never pinned",
     "gc-spares-committed": "gc deletes no manifest and no file a committed manifest lists",
     "fenced-writer-never-moves-latest": "no write of latest carries an epoch below the lease's",
+    "latest-never-fenced": "latest.json never names a step a fenced writer committed",
+    "lease-epoch-never-goes-back": "lease.json is never deleted, and is replaced only by its "
+    "holder under the same epoch or by a new holder under a higher one",
+    "fenced-writer-never-writes-lease": "a writer whose lease was taken over never writes "
+    "lease.json again (release included)",
+    "removal-rolled-forward": "once a prune or gc ran after an interrupted removal, neither "
+    "its tombstone nor a file of the removed step is left",
+    "gc-leaves-only-committed": "after gc(older_than=0) ran last with no live writer, only "
+    "committed steps' objects remain",
     "resume-loads-a-saved-state": "a fresh store resumes from the newest unfenced committed "
     "step, and loads exactly a state some writer saved as that step (never a mix)",
     "actors-fail-cleanly": "an actor raises nothing but CheckpointErrors (or dies by a crash)",
@@ -123,11 +133,15 @@ class Checker:
         self._crcs: dict[int, str] = {}
         self._listed: set[str] | None = None
         """Payload keys of committed steps, as of the last state check (None: none yet)."""
+        self.lease = LeaseWatch()
 
     def observe(self, event: Event) -> None:
         if self.violation is not None or event.op not in WRITES or not event.effects:
             return
         if self.roles.get(event.actor, "setup") == "setup":
+            for effect in event.effects:  # who holds the lease: setup may have taken it
+                if effect.path == layout.LEASE_NAME:
+                    self.lease.judge(effect, event.actor)
             return  # the scenario's own preparation: checked by the first explored operation
         found = self._check_effects(event)
         if found is None and self._may_break_state(event):
@@ -149,6 +163,8 @@ class Checker:
         for effect in event.effects:
             if effect.path == layout.LATEST_NAME:
                 found = self._pointer_move(effect, pointer, _json(then(layout.LEASE_NAME)))
+            elif effect.path == layout.LEASE_NAME:
+                found = self.lease.judge(effect, event.actor)
             elif effect.after is None and role == "gc":
                 found = self._gc_deletion(effect.path, {*self.backend.objects, *before}, then)
             else:
@@ -250,8 +266,15 @@ class Checker:
             if pointer is None:
                 return "latest-names-committed", f"{layout.LATEST_NAME} is unreadable"
             step = pointer.get("step")
-            if step is not None and not self.committed(step):
+            manifest = self.committed(step) if isinstance(step, int) else None
+            if step is not None and manifest is None:
                 return "latest-names-committed", f"latest names step {step}, not committed"
+            if manifest is not None and fenced(pointer, manifest.step, manifest):
+                return (
+                    "latest-never-fenced",
+                    f"latest names step {step}, committed under lease epoch {_epoch(manifest)} "
+                    f"after a takeover fenced it ({pointer.get('fences')})",
+                )
         return None
 
     def _file_problem(self, stored: Stored | None, entry: FileEntry) -> str | None:
@@ -275,6 +298,10 @@ class Checker:
     def committed_steps(self) -> dict[int, Manifest]:
         found = {manifest_step(p): self._manifest(o) for p, o in self.backend.objects.items()}
         return {s: m for s, m in found.items() if s is not None and m is not None}
+
+    def manifest_of(self, stored: Stored) -> Manifest | None:
+        """The manifest an object holds, or None (a tombstone, garbage)."""
+        return self._manifest(stored)
 
     def _manifest(self, stored: Stored | None) -> Manifest | None:
         """The manifest in ``stored``, or None if it is absent or not a committed manifest."""
@@ -306,7 +333,7 @@ class Checker:
                 )
             if info.step != max(steps, default=None):
                 return Violation(name, f"latest() is step {info.step}; committed: {steps}", -1)
-            state = store.load(info.step)
+            state = _contents(store, info)
         except CheckpointError as e:
             return Violation(name, f"resuming failed: {type(e).__name__}: {e}", -1)
         candidates = saved.get(info.step, ())
@@ -314,6 +341,14 @@ class Checker:
             found = f"step {info.step} loads {state!r}, none of the {len(candidates)} states"
             return Violation(name, f"{found} saved as that step (a mix?)", -1)
         return None
+
+
+def _contents(store: Any, info: Any) -> Any:
+    """What a step holds: the state it loads, or (a directory step, a coordinated save of
+    files) its files' bytes by path, each verified."""
+    if info.manifest.kind == KIND_DIRECTORY:
+        return {f.path: bytes(store.read_file(info, f.path)) for f in info.files}
+    return store.load(info.step)
 
 
 def same_state(a: Any, b: Any) -> bool:

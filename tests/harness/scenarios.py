@@ -8,12 +8,18 @@ from explore.py, which only enumerates schedules, so adding a scenario touches n
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptstore.background import Abandon
+from ckptstore.errors import FencedError
+from ckptstore.payload import SourceFile
 from ckptstore.store import CheckpointStore
+from harness.cleanup import Final, rolled_forward
+from harness.jobs import CoordinatedJob
 from harness.scheduled_backend import ScheduledBackend
 from harness.scheduler import Actor, Scheduler
 
@@ -89,6 +95,9 @@ class Scenario:
     """Setup that leaves only storage behind: run once, restored for each schedule."""
     preemptions: int = 2
     """The preemption bound CI runs it with."""
+    final: tuple[Final, ...] = ()
+    """Checks of the run's outcome that only this scenario's actors make meaningful
+    (cleanup.py); gc-leaves-only-committed and the resume check apply to every scenario."""
 
 
 def _state(step: int, tag: int) -> dict[str, Any]:
@@ -127,14 +136,29 @@ def _collector(w: World) -> Actor:
     return Actor("gc", lambda: store.gc(older_than=0), role="gc")
 
 
+def _steps_released(*steps: int) -> Callable[[World], None]:
+    """Setup: a job that used the lease saved ``steps`` and closed (its lease released)."""
+
+    def prepare(w: World) -> None:
+        with w.store() as job:
+            for step in steps:
+                w.setup_save(job, step, _state(step, 0))
+
+    return prepare
+
+
 SCENARIOS: dict[str, Scenario] = {}
 
 
 def _scenario(
-    name: str, title: str, prepare: Callable[[World], None] | None = None, preemptions: int = 2
+    name: str,
+    title: str,
+    prepare: Callable[[World], None] | None = None,
+    preemptions: int = 2,
+    final: tuple[Final, ...] = (),
 ) -> Callable[[Callable[[World], list[Actor]]], Callable[[World], list[Actor]]]:
     def register(build: Callable[[World], list[Actor]]) -> Callable[[World], list[Actor]]:
-        SCENARIOS[name] = Scenario(name, title, build, prepare, preemptions)
+        SCENARIOS[name] = Scenario(name, title, build, prepare, preemptions, final)
         return build
 
     return register
@@ -165,10 +189,10 @@ def _gc_leased(w: World) -> list[Actor]:
     return [_writer(w, "writer", 2, lease=True), _collector(w)]
 
 
-@_scenario("zombie", "zombie (epoch 1) + replacement (takeover), step 2")
+@_scenario("zombie", "zombie (epoch 2) + replacement (takeover), step 2", _steps_released(1))
 def _zombie(w: World) -> list[Actor]:
     zombie = w.store()
-    w.setup_save(zombie, 1, _state(1, 0))  # takes the lease: epoch 1
+    zombie.hold_lease()  # takes the lease a job released after step 1: epoch 2
     theirs = w.expect(2, _state(2, 2))
 
     def take_over_and_save() -> object:  # opening with takeover=True may write already
@@ -183,3 +207,139 @@ def _zombie(w: World) -> list[Actor]:
 @_scenario("all", "2 writers + pruner + gc", _one_step, preemptions=1)
 def _all(w: World) -> list[Actor]:
     return [_writer(w, "w1", 2), _writer(w, "w2", 3), _pruner(w), _collector(w)]
+
+
+# -- issue 19: takeovers against a live holder, removals rolled forward, coordinated saves --------
+
+
+def _closing(store: CheckpointStore, run: Callable[[], object]) -> Callable[[], object]:
+    """``run``, then ``close()`` whatever happened: a job ends by releasing its lease."""
+
+    def job() -> object:
+        try:
+            return run()
+        finally:
+            store.close()
+
+    return job
+
+
+def _taking_over(w: World, step: int, state: Any) -> Callable[[], object]:
+    """Open a store with ``takeover=True`` (which writes already), save, close."""
+    w.expect(step, state)
+
+    def job() -> object:
+        store = w.store(takeover=True)
+        return _closing(store, lambda: store.save(step, state).step)()
+
+    return job
+
+
+@_scenario(
+    "takeover-release",
+    "holder saves and releases + takeover saves and releases, step 2",
+    _steps_released(1),
+    preemptions=1,
+)
+def _takeover_release(w: World) -> list[Actor]:
+    holder = w.store()
+    holder.hold_lease()  # a live holder (epoch 2) when the exploration starts
+    return [
+        Actor("holder", _closing(holder, w.saver(holder, 2, _state(2, 1)))),
+        Actor("replacement", _taking_over(w, 2, _state(2, 2))),
+    ]
+
+
+@_scenario(
+    "removal",
+    "rm step 2 + prune (keep_last=2) + gc, a crash anywhere",
+    _steps_released(1, 2, 3),
+    preemptions=1,
+    final=(rolled_forward(2, ["pruner", "gc"]),),
+)
+def _removal(w: World) -> list[Actor]:
+    remover, pruner = w.store(lease=False), w.store(lease=False, keep_last=2)
+    return [
+        Actor("rm", lambda: remover.delete(2), role="pruner"),
+        Actor("pruner", pruner.prune, role="pruner"),
+        _collector(w),
+    ]
+
+
+def _killed_while_staging(w: World) -> None:
+    """Setup: a job (lease epoch 1) committed step 1 and died staging step 2."""
+    job = w.store()
+    w.setup_save(job, 1, _state(1, 0))
+    coordinator = job.begin_save(2)
+    job.stage_files(2, [SourceFile("partial.bin", lambda: [b"half a save"])], plan=coordinator.plan)
+
+
+@_scenario(
+    "takeover-gc",
+    "takeover saves the step a killed job staged + gc(older_than=0)",
+    _killed_while_staging,
+)
+def _takeover_gc(w: World) -> list[Actor]:
+    return [Actor("replacement", _taking_over(w, 2, _state(2, 2))), _collector(w)]
+
+
+class _TakeoverBeforeTheMarker(Abandon):
+    """A check that runs right after the coordinator's last renewal and right before its
+    manifest: a takeover there is the window a fenced writer's late step comes from."""
+
+    def __init__(self, w: World, step: int) -> None:
+        super().__init__(step, w.backend.uri)
+        self.world = w
+
+    def check(self) -> None:
+        self.world.store(takeover=True)  # fences latest and takes the lease: epoch 2
+
+
+def _fenced_step_2(w: World) -> None:
+    """Setup: a zombie (epoch 1) committed step 1, then step 2 in the round trip after its
+    last renewal, while a takeover (epoch 2) fenced it: step 2 is committed and fenced."""
+    zombie = w.store()
+    w.setup_save(zombie, 1, _state(1, 0))
+    begun = zombie.begin_save(2)
+    entries = begun.stage_here([SourceFile("late.bin", lambda: [b"a zombie's late step"])])
+    with contextlib.suppress(FencedError):  # committed, but it may not move latest
+        begun.commit(entries, abandon=_TakeoverBeforeTheMarker(w, 2))
+
+
+@_scenario(
+    "fenced-gc",
+    "takeover saves over a fenced writer's step 2 (removing it) + gc(older_than=0)",
+    _fenced_step_2,
+)
+def _fenced_gc(w: World) -> list[Actor]:
+    return [Actor("replacement", _taking_over(w, 2, _state(2, 3))), _collector(w)]
+
+
+def _coordinated(w: World, failing: frozenset[int]) -> list[Actor]:
+    coordinator = w.store()
+    coordinator.hold_lease()  # the job holds the lease (epoch 2) before the takeover
+    ranks = [coordinator, w.store(lease=False)]
+    job = CoordinatedJob("job", coordinator, ranks, 2, failing)
+    if not failing:
+        w.expect(2, job.contents())
+    return [*job.actors(), Actor("replacement", _taking_over(w, 2, _state(2, 2)))]
+
+
+@_scenario(
+    "coordinated",
+    "2-rank coordinated save (begin, ranks, conclude) + takeover, step 2",
+    _steps_released(1),
+    preemptions=1,
+)
+def _coordinated_fenced(w: World) -> list[Actor]:
+    return _coordinated(w, frozenset())
+
+
+@_scenario(
+    "coordinated-discard",
+    "2-rank coordinated save, rank 1 fails (discard) + takeover, step 2",
+    _steps_released(1),
+    preemptions=1,
+)
+def _coordinated_discard(w: World) -> list[Actor]:
+    return _coordinated(w, frozenset({1}))

@@ -88,11 +88,17 @@ class Event:
 
 @dataclass(frozen=True)
 class Actor:
-    """A named callable run in a thread; ``role`` says what it may delete (invariants.py)."""
+    """A named callable run in a thread; ``role`` says what it may delete (invariants.py).
+
+    ``after`` names actors it starts only once they have ended (killed or not): the stages of
+    one job (a coordinator's begin, its ranks, its commit) or a cleaner that runs after a
+    crash. Until then its start is not offered, so no schedule wastes a choice on it.
+    """
 
     name: str
     run: Callable[[], object]
     role: str = "writer"
+    after: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,7 @@ class Scheduler:
         """Run every actor to its end, asking ``choose`` at each point: before each backend
         call, and before each actor starts (so what it does before its first call, such as
         reading the clock, happens when it is picked)."""
+        _check_order(actors)
         with self._cv:
             self._choose, self._running = choose, True
             self._unstarted = {a.name: a for a in actors}
@@ -194,7 +201,7 @@ class Scheduler:
 
     def _hand_over(self, last: str | None) -> None:
         """Ask the chooser and give the turn; an actor picked for the first time starts."""
-        enabled = {n: op for n, op in self._pending.items() if n not in self._done}
+        enabled = {n: op for n, op in self._pending.items() if self._enabled(n)}
         self._turn = None
         if enabled and not self.stopped and self._choose is not None:
             try:
@@ -212,6 +219,13 @@ class Scheduler:
                     _runners().submit(self._body, actor)
         if self._turn != last:
             self._cv.notify_all()
+
+    def _enabled(self, name: str) -> bool:
+        """Not ended, and (if not started) every actor it runs after has ended."""
+        waiting = self._unstarted.get(name)
+        if waiting is not None:
+            return all(other in self._done for other in waiting.after)
+        return name not in self._done
 
     def _execute(
         self, actor: str, op: str, paths: tuple[str, ...], apply: Callable[[], tuple[T, Effects]]
@@ -269,6 +283,16 @@ class Scheduler:
                 self._cv.notify_all()
 
 
+def _check_order(actors: Sequence[Actor]) -> None:
+    """Every ``after`` names an actor of the run listed before it (so no cycle can hang)."""
+    seen: set[str] = set()
+    for actor in actors:
+        unknown = [other for other in actor.after if other not in seen]
+        if unknown:
+            raise ExplorerError(f"{actor.name} runs after {unknown}, not listed before it")
+        seen.add(actor.name)
+
+
 _RUNNERS: list[_Threads] = []
 
 
@@ -281,7 +305,14 @@ def _runners() -> _Threads:
 
 class InlineExecutor(_Threads):
     """A ThreadPoolExecutor that runs each task at submission, in the submitting thread; an
-    error (``Crashed`` included) lands in the future, as with a real pool."""
+    error (``Crashed`` included) lands in the future, as with a real pool. It starts no thread
+    and holds no lock, so building one (a save builds several) costs nothing."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        """Nothing to set up (the pool's arguments are ignored)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Nothing to shut down: every task ran at submission."""
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         future: Future[T] = Future()

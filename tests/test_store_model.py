@@ -1,0 +1,421 @@
+"""A stateful property test: the public API, driven at random, against a model of what must hold.
+
+Hypothesis' rule-based state machine runs sequences of save, save_async (then wait), load,
+prune, rm (delete), pin/unpin, gc, takeover and kill on one local store, and after every rule
+compares the store with a model small enough to be obviously right: the steps committed and
+the state each was saved with, and the pins. What must be true, whatever the sequence:
+
+* ``list()`` shows exactly the model's steps; ``latest()`` is the newest of them (no fenced
+  step can arise in a sequential run, so the newest committed step is the newest unfenced one);
+* every committed step loads bit-exact what was saved (dtype, shape, bytes);
+* retention (after a save, or ``prune``) never deletes latest, a pinned step, a step newer than
+  latest, or one of the ``keep_last`` newest;
+* after a takeover the old store is fenced: its save raises FencedError, moves nothing, and
+  its ``close()`` leaves the new holder's lease record alone; the lease epoch never goes back;
+* gc never deletes a committed step, and ``gc(older_than=0)`` with no live writer leaves only
+  committed steps' objects (in a store that uses the lease);
+* a kill (the writer's backend dies at its n-th next mutating call, as after a SIGKILL, and the
+  store object is abandoned) commits the step whole or not at all and loses no step retention
+  would not delete; the next writer takes over.
+
+Deterministic (``derandomize=True``, no example database) and bounded so it runs in a few
+seconds in CI; ``CKPTSTORE_MODEL_EXAMPLES`` raises the number of examples for a longer hunt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from ckptstore import CheckpointStore, layout
+from ckptstore.backends.registry import open_backend
+from ckptstore.errors import (
+    CheckpointError,
+    ConflictError,
+    FencedError,
+    NotFoundError,
+    StepBehindLatestError,
+)
+from ckptstore.lease_record import read_lease
+from ckptstore.manifest import Manifest
+from faults import FaultyBackend, InjectedFault
+from harness.cleanup import committed_objects
+from harness.invariants import same_state
+
+KEEP_LAST = 3
+EXAMPLES = int(os.environ.get("CKPTSTORE_MODEL_EXAMPLES", "60"))
+STEPS_PER_EXAMPLE = 30
+
+
+def state_of(step: int, variant: int) -> dict[str, Any]:
+    """A small state with three dtypes (bit-exactness is checked per dtype) and plain values."""
+    generator = torch.Generator().manual_seed(step * 100 + variant)
+    return {
+        "w": torch.randn(16, generator=generator),
+        "h": torch.randn(4, generator=generator).to(torch.bfloat16),
+        "i": torch.arange(step, step + 5, dtype=torch.int64),
+        "step": step,
+        "variant": variant,
+    }
+
+
+def check_retention(
+    before: set[int], after: set[int], *, latest: int, pinned: set[int], keep: int
+) -> None:
+    """Steps in ``before`` but not ``after`` went by retention (``keep_last=keep``): it may
+    delete none that is latest, newer, pinned, or one of the ``keep`` newest."""
+    newest = set(sorted(before)[-keep:])
+    for step in before - after:
+        assert step < latest, f"retention deleted step {step}, not below latest {latest}"
+        assert step not in pinned, f"retention deleted pinned step {step}"
+        assert step not in newest, f"retention deleted step {step}, one of {sorted(newest)}"
+
+
+class KillSwitch(FaultyBackend):
+    """A backend that dies at its n-th mutating call, writing one file at a time: so the
+    n-th call is the same call in every run, and a kill replays exactly."""
+
+    @property
+    def parallel_writes(self) -> int:
+        return 1
+
+
+class StoreModel(RuleBasedStateMachine):
+    """One store, its current writer, its fenced and dead writers, and the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="ckpt-model-"))
+        self.uri = str(self.root / "run")
+        self.saved: dict[int, Any] = {}
+        """The model: every committed step and the state it was saved with."""
+        self.pinned: set[int] = set()
+        self.epoch = 0
+        """The highest lease epoch seen: it never goes back."""
+        self.reader = CheckpointStore(self.uri, lease=False)
+        """A view of the store of its own, as a job elsewhere resuming from the URI has; it
+        forgets the manifests it read before each look (:meth:`_truth`)."""
+        self.loaded: dict[int, Manifest] = {}
+        """The manifest of each step whose state was last loaded and found as saved."""
+        self.zombies: list[CheckpointStore] = []
+        """Writers taken over (fenced, closed), kept referenced like the killed ones."""
+        self.dead: list[CheckpointStore] = []
+        """Killed writers, kept referenced: a collected store would try to release its lease."""
+        self.writer, self.switch = self._open()
+
+    def _open(self, *, takeover: bool = False) -> tuple[CheckpointStore, FaultyBackend]:
+        """A writer on a backend that can be killed (``fail_at``), using the lease (no
+        heartbeat thread: ``lease_ttl=inf``, so nothing runs between rules)."""
+        switch = KillSwitch(open_backend(self.uri), fail_at=None, mode="crash")
+        store = CheckpointStore(
+            self.uri, backend=switch, keep_last=KEEP_LAST, lease_ttl=math.inf, takeover=takeover
+        )
+        return store, switch
+
+    def _latest(self) -> int | None:
+        return max(self.saved, default=None)
+
+    def _next(self, delta: int) -> int:
+        return (self._latest() or 0) + delta
+
+    def teardown(self) -> None:
+        """Close every writer while the store exists. A killed one's backend comes back to
+        life first, so its release runs now (and, its lease taken over, writes nothing)
+        rather than failing at interpreter exit."""
+        for store in self.dead:
+            switch = store.backend
+            assert isinstance(switch, FaultyBackend)
+            switch.fail_at, switch.fired = None, False
+        for store in [self.writer, *self.dead]:
+            with contextlib.suppress(CheckpointError):
+                store.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _retention(
+        self, before: set[int], latest: int, after: set[int], keep: int = KEEP_LAST
+    ) -> None:
+        check_retention(before, after, latest=latest, pinned=self.pinned, keep=keep)
+
+    def _truth(self) -> CheckpointStore:
+        """The reader, with no manifest remembered. A long-lived store keeps listing a step
+        that another process half removed (its tombstone stands) for as long as the step's
+        directory is there (catalog.py): the model is judged against storage, not that."""
+        self.reader.reload()
+        return self.reader
+
+    def _steps(self) -> set[int]:
+        return {i.step for i in self._truth().list()}
+
+    # -- saving ----------------------------------------------------------------------------
+
+    @initialize()
+    def first_step(self) -> None:
+        self._saved(1, state_of(1, 0), self.writer.save(1, state_of(1, 0)).step)
+
+    def _saved(self, step: int, state: Any, committed: int) -> None:
+        assert committed == step
+        before = set(self.saved)
+        after = self._steps()
+        assert step in after, f"step {step} was saved but is not listed"
+        assert after <= before | {step}, f"steps {after - before - {step}} appeared"
+        self._retention(before | {step}, step, after)
+        self.saved = {s: self.saved.get(s, state) for s in after}
+
+    @rule(delta=st.integers(1, 3), variant=st.integers(0, 3))
+    def save(self, delta: int, variant: int) -> None:
+        step = self._next(delta)
+        state = state_of(step, variant)
+        self._saved(step, state, self.writer.save(step, state).step)
+
+    @rule(delta=st.integers(1, 3), variant=st.integers(0, 3))
+    def save_async(self, delta: int, variant: int) -> None:
+        """The snapshot is taken at the call: changing the tensors afterwards changes nothing
+        that is saved."""
+        step = self._next(delta)
+        state = state_of(step, variant)
+        expected = copy.deepcopy(state)
+        handle = self.writer.save_async(step, state)
+        state["w"].add_(1.0)
+        self._saved(step, expected, handle.wait().step)
+
+    @precondition(lambda self: self._latest() is not None and self._latest() > 1)
+    @rule(data=st.data())
+    def save_behind_latest_is_refused(self, data: st.DataObject) -> None:
+        """A step behind latest is refused before anything is uploaded: a committed one as
+        committed, another as behind latest. (Judged by ``latest.json``: where a kill left it
+        behind latest(), a step between the two is taken; see test_known_defects.py.)"""
+        latest = self._latest()
+        assert latest is not None
+        step = data.draw(st.integers(0, latest - 1), label="older step")
+        pointer = _pointer_step(self.reader)
+        if step not in self.saved and (pointer is None or step > pointer):
+            return  # between the pointer (if any) and latest(): the known gap
+        error = ConflictError if step in self.saved else StepBehindLatestError
+        with pytest.raises(error):
+            self.writer.save(step, state_of(step, 9))
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @precondition(lambda self: bool(self.saved))
+    @rule(data=st.data())
+    def load(self, data: st.DataObject) -> None:
+        step = data.draw(st.sampled_from(sorted(self.saved)), label="step")
+        assert same_state(self.writer.load(step), self.saved[step]), f"step {step} differs"
+        latest = self._latest()
+        assert latest is not None
+        assert same_state(self.reader.load(), self.saved[latest]), "latest differs"
+
+    # -- retention, removal, pins ----------------------------------------------------------
+
+    @rule(keep=st.integers(1, KEEP_LAST), dry_run=st.booleans())
+    def prune(self, keep: int, dry_run: bool) -> None:
+        """An operator's prune (a store opened for maintenance, no lease), perhaps stricter
+        than the writer's retention; ``dry_run`` deletes nothing."""
+        before = set(self.saved)
+        latest = self._latest()
+        deleted = CheckpointStore(self.uri, lease=False, keep_last=keep).prune(dry_run)
+        after = self._steps()
+        assert after == (before if dry_run else before - set(deleted)), (deleted, after)
+        if latest is not None:  # what a dry run would delete obeys the same rules
+            self._retention(before, latest, before - set(deleted), keep)
+        self.saved = {s: self.saved[s] for s in after}
+
+    def _removable(self) -> list[int]:
+        """Steps ``delete`` takes without ``force``: not pinned, not latest, and not the step
+        ``latest.json`` names either, which ``delete`` takes for latest (a kill may leave the
+        pointer behind latest(): see test_known_defects.py)."""
+        protected = {self._latest(), _pointer_step(self.reader)}
+        return sorted(set(self.saved) - self.pinned - protected)
+
+    @precondition(lambda self: bool(self._removable()))
+    @rule(data=st.data())
+    def rm(self, data: st.DataObject) -> None:
+        step = data.draw(st.sampled_from(self._removable()), label="step")
+        self.writer.delete(step)
+        del self.saved[step]
+
+    @precondition(lambda self: self._latest() is not None)
+    @rule()
+    def rm_latest(self) -> None:
+        """Deleting latest needs ``force``; with it, latest goes back to the newest left.
+        (Refused only where ``latest.json`` names it: see test_known_defects.py.)"""
+        latest = self._latest()
+        assert latest is not None
+        if _pointer_step(self.reader) == latest:
+            with pytest.raises(ConflictError):
+                self.writer.delete(latest)
+        self.writer.delete(latest, force=True)
+        del self.saved[latest]
+        self.pinned.discard(latest)
+
+    @precondition(lambda self: bool(self.saved))
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        step = data.draw(st.sampled_from(sorted(self.saved)), label="step")
+        self.writer.pin(step)
+        self.pinned.add(step)
+
+    @precondition(lambda self: bool(self.pinned))
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        step = data.draw(st.sampled_from(sorted(self.pinned)), label="step")
+        assert self.writer.unpin(step)
+        self.pinned.discard(step)
+
+    # -- gc --------------------------------------------------------------------------------
+
+    @rule()
+    def gc_beside_the_writer(self) -> None:
+        """gc with a live writer deletes no committed step (the invariants check the rest)."""
+        self.reader.gc(older_than=0)
+
+    @rule()
+    def gc_with_no_live_writer(self) -> None:
+        """The writer closes (releasing the lease); then gc(older_than=0) leaves committed
+        steps and nothing else; then a new writer opens, no takeover needed."""
+        self.writer.close()
+        reader = self._truth()
+        reader.gc(older_than=0)
+        manifests = {i.step: i.manifest for i in reader.list()}
+        left = {o.path for o in reader.backend.list("")} - committed_objects(manifests)
+        assert not left, f"gc(older_than=0) with no live writer left {sorted(left)}"
+        self.writer, self.switch = self._open()
+
+    # -- writers come and go ---------------------------------------------------------------
+
+    @rule(delta=st.integers(1, 2))
+    def takeover(self, delta: int) -> None:
+        """A new job takes the store over from a live holder; the old one is fenced for good.
+        (A store that never held the lease is not fenced but refused: LeaseHeldError.)"""
+        zombie = self.writer
+        zombie.hold_lease()
+        self.writer, self.switch = self._open(takeover=True)
+        before = (self._steps(), self.reader.latest())
+        step = self._next(delta)
+        with pytest.raises(FencedError):
+            zombie.save(step, state_of(step, 7))
+        zombie.close()  # a fenced writer's release writes nothing
+        after = (self._steps(), self.reader.latest())
+        assert after == before, "a fenced writer changed the store"
+        record, _, _ = read_lease(self.writer.backend)
+        assert record is not None and record.holder == self.writer.writer
+        assert not record.released
+        self.zombies.append(zombie)
+
+    def _killed(self) -> tuple[set[int], set[int]]:
+        """The writer died: abandon it, let a new one take over; the steps before and after."""
+        self.dead.append(self.writer)
+        self.writer, self.switch = self._open(takeover=True)
+        return set(self.saved), self._steps()
+
+    @rule(calls=st.integers(1, 10), delta=st.integers(1, 2))
+    def kill_saving(self, calls: int, delta: int) -> None:
+        """The writer dies at its ``calls``-th next mutating backend call of a save (nothing
+        after it reaches storage, its cleanup included): the step is committed whole or not
+        at all, and only retention's victims may be gone."""
+        step = self._next(delta)
+        state = state_of(step, 5)
+        self.switch.fail_at = self.switch.count + calls
+        with contextlib.suppress(InjectedFault):
+            self.writer.save(step, state)
+        before, after = self._killed()
+        assert after - before <= {step}, f"steps {after - before - {step}} appeared"
+        if before | after:
+            self._retention(before | (after - before), max(before | after), after)
+        self.saved = {s: self.saved.get(s, state) for s in after}
+
+    @precondition(lambda self: len(self.saved) > 1)
+    @rule(calls=st.integers(1, 6), keep=st.integers(1, 2))
+    def kill_pruning(self, calls: int, keep: int) -> None:
+        """The writer's process dies while it prunes: only retention's victims may be gone."""
+        self.switch.fail_at = self.switch.count + calls
+        pruner = CheckpointStore(self.uri, backend=self.switch, lease=False, keep_last=keep)
+        with contextlib.suppress(InjectedFault):
+            pruner.prune()
+        before, after = self._killed()
+        assert after <= before
+        self._retention(before, max(before), after, keep)
+        self.saved = {s: self.saved[s] for s in after}
+
+    @precondition(lambda self: bool(self._removable()))
+    @rule(calls=st.integers(1, 5), data=st.data())
+    def kill_removing(self, calls: int, data: st.DataObject) -> None:
+        """The writer dies during an rm: the step is committed whole or gone, nothing else."""
+        step = data.draw(st.sampled_from(self._removable()), label="step")
+        self.switch.fail_at = self.switch.count + calls
+        with contextlib.suppress(InjectedFault):
+            self.writer.delete(step)
+        before, after = self._killed()
+        assert before - after <= {step} and after <= before, f"{before} -> {after}"
+        self.saved = {s: self.saved[s] for s in after}
+
+    # -- after every rule ------------------------------------------------------------------
+
+    @invariant()
+    def listing_and_latest_match_the_model(self) -> None:
+        reader = self._truth()
+        assert [i.step for i in reader.list()] == sorted(self.saved)
+        latest = reader.latest()
+        assert (latest.step if latest is not None else None) == self._latest()
+        assert set(reader.pins()) == self.pinned
+
+    @invariant()
+    def the_lease_epoch_never_goes_back(self) -> None:
+        record, _, _ = read_lease(self.writer.backend)
+        if record is not None:
+            assert record.epoch >= self.epoch, f"lease epoch {self.epoch} -> {record.epoch}"
+            self.epoch = record.epoch
+
+    @invariant()
+    def every_committed_step_loads_what_was_saved(self) -> None:
+        """Each committed step loads bit-exact once (per manifest: a step number saved anew
+        is loaded anew); after that, one listing shows every file it lists still there, the
+        same size. Nothing ckptstore does rewrites a file in place, so that is enough."""
+        reader = self._truth()
+        sizes = {o.path: o.size for o in reader.backend.list("")}
+        for info in reader.list():
+            if self.loaded.get(info.step) != info.manifest:
+                assert same_state(reader.load(info.step), self.saved[info.step]), info.step
+                self.loaded[info.step] = info.manifest
+            for entry in info.files:
+                key = entry.key(info.step)
+                assert sizes.get(key) == entry.size, f"step {info.step}: {key} is gone or cut"
+
+
+def _pointer_step(store: CheckpointStore) -> int | None:
+    """The step ``latest.json`` names (None without one), read raw."""
+    try:
+        step = json.loads(store.backend.read(layout.LATEST_NAME)).get("step")
+    except NotFoundError:
+        return None
+    return step if isinstance(step, int) else None
+
+
+TestStoreModel = StoreModel.TestCase
+TestStoreModel.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS_PER_EXAMPLE,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
