@@ -6,7 +6,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ckptstore import layout
-from ckptstore.backends.base import Backend, BackendProxy, Chunk, ObjectInfo
+from ckptstore.backends.base import Backend, Chunk, ObjectInfo
+from ckptstore.backends.proxy import BackendProxy
 
 
 class CountingBackend(BackendProxy):

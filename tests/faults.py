@@ -4,14 +4,15 @@ It sits on top of a real backend (local, memory or S3) and fails the Nth mutatin
 once (``mode="error"``: the operation raises and later ones work, like a transient fault), or for
 good (``mode="crash"``: that operation and every one after it raises, like a process that died
 at that moment and left whatever it had written). Reads pass through untouched
-(:class:`~ckptstore.backends.base.BackendProxy` delegates everything not overridden here).
+(:class:`~ckptstore.backends.proxy.BackendProxy` delegates everything not overridden here).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ckptstore.backends.base import Backend, BackendProxy, Chunk, ObjectAddress, PartialWrite
+from ckptstore.backends.base import Backend, Chunk, ObjectAddress, PartialWrite
+from ckptstore.backends.proxy import BackendProxy
 from ckptstore.errors import BackendError
 
 MUTATING = ("write", "create", "swap", "copy", "copy_in", "delete", "abort")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.backends.base import BackendProxy
+from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
 from ckptstore.errors import (
     CheckpointError,

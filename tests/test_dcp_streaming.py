@@ -21,8 +21,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
 from ckptstore import CheckpointStore
-from ckptstore.backends.base import BackendProxy, Chunk
+from ckptstore.backends.base import Chunk
 from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.proxy import BackendProxy
 from ckptstore.integrations import dcp_write
 from ckptstore.integrations.dcp import CkptStoreReader, CkptStoreWriter
 from ckptstore.integrations.dcp_write import RankFile

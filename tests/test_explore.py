@@ -2,8 +2,8 @@
 
 Each scenario runs at its CI bound (scenarios.py: 2 preemptions for most, 1 for the larger
 ones; at most one crash everywhere) and must hold every invariant while exploring at least a
-known number of schedules, so the test cannot pass by exploring nothing. A scenario that finds
-a known defect of the code under test (KNOWN_DEFECTS) must go on finding it, and reports xfail.
+known number of schedules, so the test cannot pass by exploring nothing (the defects the
+scenarios found are regression tests in test_explorer_findings.py).
 The self-tests feed the explorer deliberately broken actors and check that it names the
 invariant they break, that its bound counts what it says, that ``after`` orders actors, that a
 crash stops cleanup code from touching storage, and that runs are reproducible.
@@ -17,7 +17,7 @@ import json
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 
@@ -44,55 +44,18 @@ MIN_SCHEDULES = {
     "takeover-release": 100,
     "removal": 350,
     "coordinated": 500,
+    "coordinated-discard": 800,
+    "takeover-gc": 800,
+    "fenced-gc": 700,
 }
-"""Well below today's counts (1108, 764, 1205, 231, 319, 2547, 9332, 322, 1168 and 1584): the
+"""Well below today's counts (1540, 973, 1577, 256, 349, 3339, 10526, 335, 1635, 1638, 1742,
+1753 and 1461): the
 code under test may gain or lose an operation, but a run that explores far fewer is not the one
 CI needs."""
 
 
-@dataclass(frozen=True)
-class KnownDefect:
-    """A defect of the code under test that a scenario finds, under one of ``invariants``
-    (which one a schedule breaks first depends on the order the explorer goes in)."""
-
-    invariants: frozenset[str]
-    summary: str
-
-
-KNOWN_DEFECTS = {
-    "coordinated-discard": KnownDefect(
-        frozenset({"committed-step-whole", "retention-deletes-safely"}),
-        "a coordinator discarding its step (a rank failed; it may be fenced) removes every "
-        "attempt of the step, the new holder's too, and drops its tombstone at once "
-        "(Remover.discard_step): the new holder then commits a manifest whose files are "
-        "gone, or the discard's read-then-delete of the tombstone deletes its manifest",
-    ),
-    "takeover-gc": KnownDefect(
-        frozenset({"gc-spares-committed"}),
-        "gc drops its tombstone by a read then a delete (Remover.drop_tombstone); a writer "
-        "that commits over the tombstone in between loses its manifest to that delete",
-    ),
-    "fenced-gc": KnownDefect(
-        frozenset({"gc-spares-committed"}),
-        "gc rolling forward the new holder's removal of a fenced step deletes, by the same "
-        "read-then-delete, the manifest the new holder committed in its place",
-    ),
-}
-"""Scenarios whose violations are real defects of the code under test (docs/exploration.md
-gives each a replay): each must still be found, under its invariant, until it is fixed; then
-the scenario moves to MIN_SCHEDULES."""
-
-
 def _check(name: str) -> None:
     result = ex.explore(name)
-    known = KNOWN_DEFECTS.get(name)
-    if known is not None:
-        found = {f.violation.invariant for f in result.failures}
-        assert found and found <= known.invariants, (
-            f"{name} no longer breaks {sorted(known.invariants)} (found: {sorted(found)}): "
-            "if the defect was fixed, move the scenario from KNOWN_DEFECTS to MIN_SCHEDULES"
-        )
-        pytest.xfail(f"known defect: {known.summary}")
     assert not result.failures, "\n\n".join(f.render() for f in result.failures)
     assert not result.truncated
     assert result.schedules >= MIN_SCHEDULES[name], result.schedules

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ckptstore import CheckpointStore, layout
-from ckptstore.backends.base import BackendProxy
+from ckptstore.backends.proxy import BackendProxy
 from ckptstore.errors import NotFoundError
 from ckptstore.garbage import TOMBSTONE_MAX_SIZE
 from ckptstore.manifest import KIND_STATE, encode_tombstone

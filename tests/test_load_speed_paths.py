@@ -22,8 +22,8 @@ from botocore.response import StreamingBody
 
 from ckptstore import CheckpointStore
 from ckptstore.backends import local, s3_download
-from ckptstore.backends.base import BackendProxy
 from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.s3_transfer import Transfers, read_body_into
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.verified import read_verified

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.backends.base import Backend, BackendProxy, ObjectInfo
+from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
 from ckptstore.errors import (
     ConfigError,

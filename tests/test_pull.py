@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ckptstore import CheckpointStore, transfer
-from ckptstore.backends.base import BackendProxy
+from ckptstore.backends.proxy import BackendProxy
 from ckptstore.errors import ConfigError, CorruptCheckpointError, IncompleteCheckpointError
 from keys import file_key
 from test_cli import ckpt, data, error_line, ok

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, LeaseHeldError, UntrustedCheckpointError
-from ckptstore.backends.base import Backend, BackendProxy, Chunk, ObjectAddress, ObjectInfo
+from ckptstore.backends.base import Backend, Chunk, ObjectAddress, ObjectInfo
+from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.copying import memory_bound

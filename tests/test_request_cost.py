@@ -55,7 +55,9 @@ def state() -> dict[str, torch.Tensor]:
 def test_a_save_with_retention_reads_a_bounded_number_of_manifests(big_store: Path) -> None:
     """keep_last=3 counts the three newest steps; the 9,997 older ones are judged on the
     listing's word (keep_every keeps them all). A save reads its previous step's manifest,
-    the newest ones only once per process, and nothing that grows with the steps kept."""
+    the newest ones only once per process, and nothing that grows with the steps kept. The
+    first save of a process also lists the steps, for any committed past the pointer (a
+    writer killed between its commit and the pointer's move)."""
     store, backend = open_counted(big_store, keep_last=3, keep_every=EVERY)
     step = (STEPS + 1) * EVERY
     try:
@@ -63,10 +65,11 @@ def test_a_save_with_retention_reads_a_bounded_number_of_manifests(big_store: Pa
         calls = backend.take()
         # the previous manifest (incremental, so remembered), then the third newest
         assert calls["manifest GET"] == 1 + 1, calls
-        assert calls["LIST dirs"] == 1, calls
+        assert calls["LIST dirs"] == 1 + 1, calls  # past the pointer, then retention's
         store.save(step + EVERY, state())
         calls = backend.take()
         assert calls["manifest GET"] == 1, calls  # the previous step's, for incremental copies
+        assert calls["LIST dirs"] == 1, calls  # retention's only
         assert len(store.list()) == STEPS + 2
     finally:
         for saved in (step + EVERY, step):
@@ -75,15 +78,21 @@ def test_a_save_with_retention_reads_a_bounded_number_of_manifests(big_store: Pa
 
 
 def test_a_save_without_retention_reads_one_manifest(big_store: Path) -> None:
+    """One listing in the process's first save (steps past the pointer), none after."""
     store, backend = open_counted(big_store)
     step = (STEPS + 1) * EVERY
     try:
         store.save(step, state())
         calls = backend.take()
         assert calls["manifest GET"] == 1, calls  # the previous step, for incremental copies
-        assert calls["LIST dirs"] == 0, calls
+        assert calls["LIST dirs"] == 1, calls
+        store.save(step + EVERY, state())
+        calls = backend.take()
+        assert calls["manifest GET"] == 1 and calls["LIST dirs"] == 0, calls
     finally:
-        store.delete(step, force=True)
+        for saved in (step + EVERY, step):
+            with contextlib.suppress(NotFoundError):
+                store.delete(saved, force=True)
 
 
 def test_a_second_listing_reads_no_manifest(big_store: Path) -> None:

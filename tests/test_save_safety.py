@@ -234,8 +234,8 @@ CHILD = textwrap.dedent(
     import torch
 
     from ckptstore import CheckpointStore
-    from ckptstore.backends.base import BackendProxy
     from ckptstore.backends.local import LocalBackend
+    from ckptstore.backends.proxy import BackendProxy
 
     # As in a terminal, even where the test runner was started with SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)

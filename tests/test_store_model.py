@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 import shutil
@@ -46,13 +45,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ckptstore import CheckpointStore, layout
+from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
     FencedError,
-    NotFoundError,
     StepBehindLatestError,
 )
 from ckptstore.lease_record import read_lease
@@ -201,14 +199,11 @@ class StoreModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def save_behind_latest_is_refused(self, data: st.DataObject) -> None:
         """A step behind latest is refused before anything is uploaded: a committed one as
-        committed, another as behind latest. (Judged by ``latest.json``: where a kill left it
-        behind latest(), a step between the two is taken; see test_known_defects.py.)"""
+        committed, another as behind latest, also where a kill left ``latest.json`` behind
+        latest() (test_explorer_findings.py)."""
         latest = self._latest()
         assert latest is not None
         step = data.draw(st.integers(0, latest - 1), label="older step")
-        pointer = _pointer_step(self.reader)
-        if step not in self.saved and (pointer is None or step > pointer):
-            return  # between the pointer (if any) and latest(): the known gap
         error = ConflictError if step in self.saved else StepBehindLatestError
         with pytest.raises(error):
             self.writer.save(step, state_of(step, 9))
@@ -240,11 +235,9 @@ class StoreModel(RuleBasedStateMachine):
         self.saved = {s: self.saved[s] for s in after}
 
     def _removable(self) -> list[int]:
-        """Steps ``delete`` takes without ``force``: not pinned, not latest, and not the step
-        ``latest.json`` names either, which ``delete`` takes for latest (a kill may leave the
-        pointer behind latest(): see test_known_defects.py)."""
-        protected = {self._latest(), _pointer_step(self.reader)}
-        return sorted(set(self.saved) - self.pinned - protected)
+        """Steps ``delete`` takes without ``force``: neither pinned nor latest (latest(), also
+        where a kill left ``latest.json`` behind it)."""
+        return sorted(set(self.saved) - self.pinned - {self._latest()})
 
     @precondition(lambda self: bool(self._removable()))
     @rule(data=st.data())
@@ -256,13 +249,11 @@ class StoreModel(RuleBasedStateMachine):
     @precondition(lambda self: self._latest() is not None)
     @rule()
     def rm_latest(self) -> None:
-        """Deleting latest needs ``force``; with it, latest goes back to the newest left.
-        (Refused only where ``latest.json`` names it: see test_known_defects.py.)"""
+        """Deleting latest needs ``force``; with it, latest goes back to the newest left."""
         latest = self._latest()
         assert latest is not None
-        if _pointer_step(self.reader) == latest:
-            with pytest.raises(ConflictError):
-                self.writer.delete(latest)
+        with pytest.raises(ConflictError):
+            self.writer.delete(latest)
         self.writer.delete(latest, force=True)
         del self.saved[latest]
         self.pinned.discard(latest)
@@ -399,15 +390,6 @@ class StoreModel(RuleBasedStateMachine):
             for entry in info.files:
                 key = entry.key(info.step)
                 assert sizes.get(key) == entry.size, f"step {info.step}: {key} is gone or cut"
-
-
-def _pointer_step(store: CheckpointStore) -> int | None:
-    """The step ``latest.json`` names (None without one), read raw."""
-    try:
-        step = json.loads(store.backend.read(layout.LATEST_NAME)).get("step")
-    except NotFoundError:
-        return None
-    return step if isinstance(step, int) else None
 
 
 TestStoreModel = StoreModel.TestCase

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, ConfigError
-from ckptstore.backends.base import Backend, BackendProxy, Chunk
+from ckptstore.backends.base import Backend, Chunk
+from ckptstore.backends.proxy import BackendProxy
 from ckptstore.cli.main import run as cli_run
 from ckptstore.tiered import TieredStore
 from faults import FaultyBackend, InjectedFault

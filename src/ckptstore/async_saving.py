@@ -61,8 +61,7 @@ class AsyncSaver:
         user_metadata = check_metadata(metadata)
         self.drain()
         if not allow_older and (self.committed is None or step <= self.committed):
-            pointer = writer.catalog.pointer_or_none()
-            check_not_behind(writer, step, pointer.step if pointer is not None else None)
+            check_not_behind(writer, step, writer.latest_step())
         started = time.perf_counter()
         from ckptstore.serialize import encode_state
         from ckptstore.snapshot import Snapshotter, UpdateGuard, deferral

@@ -33,6 +33,7 @@ from ckptstore.catalog import Catalog
 from ckptstore.checksum import Crc32c
 from ckptstore.deadline import cleanup_time, map_in_context
 from ckptstore.errors import (
+    BackendError,
     ConfigError,
     ConflictError,
     CorruptCheckpointError,
@@ -46,12 +47,16 @@ from ckptstore.manifest import (
     FileEntry,
     Manifest,
     tombstone_attempts,
+    tombstone_dropping,
 )
 from ckptstore.payload import Progress, SourceFile
 from ckptstore.pointer import Pointer
 from ckptstore.removal import Remover
 
 log = logging.getLogger(__name__)
+
+_COMMIT_ATTEMPTS = 5
+"""Looks at a manifest key a commit finds taken, while removals keep changing it."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,7 @@ class Committer:
         *,
         previous: Manifest | Previous | None = None,
         epoch: int = 0,
+        save: str | None = None,
     ) -> list[FileEntry]:
         """Write every payload file (several at once) into a new attempt directory; returns
         their manifest entries. On failure the attempt's files are removed (best effort).
@@ -122,7 +128,8 @@ class Committer:
         A file whose size and checksum equal those of the same path in ``previous`` (a
         manifest, or the entries a coordinator handed over) is copied from there (server-side
         on S3, a hard link locally) instead of uploaded. ``progress``
-        is called with each chunk's size as it is handed to the backend.
+        is called with each chunk's size as it is handed to the backend. ``save`` (a
+        coordinated save's id) goes into the attempt's marker.
         """
         sources = list(files)
         if len({f.path for f in sources}) != len(sources):
@@ -132,7 +139,7 @@ class Committer:
         reuse = Previous.of(previous) if isinstance(previous, Manifest) else previous
         from_step = reuse.step if reuse is not None else None
         earlier = {f.path: f for f in reuse.files} if reuse is not None else {}
-        attempt = self.begin_attempt(step, epoch)
+        attempt = self.begin_attempt(step, epoch, save=save)
 
         def write_one(source: SourceFile) -> FileEntry:
             path = layout.payload_path(step, source.path, attempt)
@@ -160,10 +167,13 @@ class Committer:
                 self.remover.discard_attempts(step, {attempt})
             raise
 
-    def begin_attempt(self, step: int, epoch: int, attempt: str | None = None) -> str:
+    def begin_attempt(
+        self, step: int, epoch: int, attempt: str | None = None, *, save: str | None = None
+    ) -> str:
         """Write the marker of an attempt (a fresh one by default) before any of its files."""
         attempt = attempt if attempt is not None else secrets.token_hex(8)
-        marker = {"writer": self.writer, "lease_epoch": epoch, "started": self.clock()}
+        marker: dict[str, object] = {"writer": self.writer, "lease_epoch": epoch}
+        marker |= {"started": self.clock()} | ({"save": save} if save is not None else {})
         self.backend.write(layout.attempt_marker_path(step, attempt), [json.dumps(marker).encode()])
         return attempt
 
@@ -215,26 +225,44 @@ class Committer:
 
     def _commit_over(self, manifest: Manifest, data: bytes, error: ObjectExistsError) -> None:
         """The manifest key is taken: by our own write whose answer was lost (done), by a
-        tombstone naming none of our attempts (replace it by compare-and-swap), or else by a
-        rival's manifest or a removal of our attempts (ConflictError)."""
+        tombstone naming none of our attempts (replace it by compare-and-swap; one being
+        dropped is waited out first, removal.py), or else by a rival's manifest or a removal
+        of our attempts (ConflictError)."""
         path = layout.manifest_path(manifest.step)
         where = self.catalog.uri(path)
-        try:
-            held, version = self.backend.read_versioned(path)
-        except NotFoundError:
-            held, version = None, None
-        if held == data and manifest.writer == self.writer:
-            return
-        removed = tombstone_attempts(held) if held is not None else None
-        if removed is not None:
-            if removed.isdisjoint(f.attempt for f in manifest.files):
-                with contextlib.suppress(PreconditionFailedError):  # a newer claim won
-                    self.backend.swap(path, data, version)
+        ours = {f.attempt for f in manifest.files}
+        for _ in range(_COMMIT_ATTEMPTS):
+            try:
+                held, version = self.backend.read_versioned(path)
+            except NotFoundError:
+                with contextlib.suppress(ObjectExistsError):  # dropped meanwhile: create it
+                    self.backend.create(path, data)
                     return
-            raise ConflictError(
-                f"step {manifest.step} in {self.backend.uri} was removed while this save "
-                "staged its files (gc judged them abandoned, or a coordinator discarded the "
-                "step); nothing was committed. Save again",
+                continue
+            if held == data and manifest.writer == self.writer:
+                return
+            removed = tombstone_attempts(held)
+            if removed is None:
+                break  # a manifest: the step is committed
+            if not removed.isdisjoint(ours):
+                raise ConflictError(
+                    f"step {manifest.step} in {self.backend.uri} was removed while this save "
+                    "staged its files (gc judged them abandoned, or a coordinator discarded "
+                    "the step); nothing was committed. Save again",
+                    uri=where,
+                    step=manifest.step,
+                    path=path,
+                ) from error
+            if tombstone_dropping(held) is not None and self.remover.outwait_drop(path, version):
+                continue  # gone, or changed: look again
+            with contextlib.suppress(PreconditionFailedError):  # changed: look again
+                self.backend.swap(path, data, version)
+                return
+        else:
+            raise BackendError(
+                f"{where} keeps changing (removals of step {manifest.step} racing this commit); "
+                "nothing was committed. Save again",
+                retryable=True,
                 uri=where,
                 step=manifest.step,
                 path=path,

@@ -27,6 +27,7 @@ files; after it, the step is committed and the error says so.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -64,9 +65,15 @@ class Saver(Protocol):
     remover: Remover
     incremental: bool
     save_timeout: float | None
+    pointer_trusted: bool
+    """False: the next :meth:`latest_step` lists the steps past ``latest``."""
 
     @property
     def uri(self) -> str: ...
+
+    def latest_step(self) -> int | None:
+        """The step a save must not fall behind (saving.py)."""
+        ...
 
     def drain(self) -> None:
         """Wait for the store's save in flight, raising its error."""
@@ -95,6 +102,9 @@ class Plan:
     """The writer lease epoch the coordinator holds (recorded in each attempt's marker)."""
     previous: Previous
     """``latest``'s step and the files of it this participant may copy instead of upload."""
+    save: str | None = None
+    """This save's id, in each participant's attempt marker: a discard removes this save's
+    attempts and nobody else's (a new lease holder saving the same step, say)."""
 
     def only(self, prefix: str) -> Plan:
         """This plan with the previous files under ``prefix`` (a folder with its ``/``)."""
@@ -158,7 +168,7 @@ def stage(
     previous = plan.previous if saver.incremental else None
     with within(saver.save_timeout, rank=rank):
         return saver.committer.write_payload(
-            plan.step, files, progress, previous=previous, epoch=plan.epoch
+            plan.step, files, progress, previous=previous, epoch=plan.epoch, save=plan.save
         )
 
 
@@ -193,7 +203,7 @@ class Coordinator:
         if not allow_older:
             check_not_behind(saver, step, latest_step)
         previous = Previous.of(manifest, latest_step)
-        plan = Plan(step, kind, epoch, previous)
+        plan = Plan(step, kind, epoch, previous, secrets.token_hex(8))
         return cls(saver, step, kind, plan, user_metadata, started)
 
     def stage_here(
@@ -216,7 +226,7 @@ class Coordinator:
         reports = list(reports)
         failures = {r.participant: r.error for r in reports if r.error is not None}
         if failures:
-            self.discard()
+            self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
             raise self._failed(failures, NOT_SAVED)
         entries = [e for r in reports for e in r.entries]
         try:
@@ -264,16 +274,20 @@ class Coordinator:
             with cleanup_time():
                 saver.remover.discard_attempts(self.step, {e.attempt for e in entries if e.attempt})
             raise
-        saver.committer.advance_latest(self.step, epoch=epoch)
+        try:
+            saver.committer.advance_latest(self.step, epoch=epoch)
+        except BaseException:
+            saver.pointer_trusted = False  # committed, but latest not moved: list next time
+            raise
         stats = SaveStats.of(manifest, time.perf_counter() - self.started, blocked)
         saver.saved(stats)
         return saver.catalog.info_of(manifest, stats)
 
-    def discard(self) -> None:
-        """Remove every staged file of the uncommitted step (never a committed one's). A
-        rival writer of the step, if any, fails to commit with a clear error meanwhile."""
+    def discard(self, attempts: Iterable[str] = ()) -> None:
+        """Remove what this save's participants staged (``attempts`` they reported, and any
+        attempt whose marker names this save), and nothing of a rival's save of the step."""
         with cleanup_time():
-            self.saver.remover.discard_step(self.step)
+            self.saver.remover.discard_save(self.step, self.plan.save, attempts)
 
     def _what_became(self, coordinator: str) -> str:
         try:
@@ -359,17 +373,17 @@ def _check_step_is_free(saver: Saver, step: int) -> None:
 def _latest_read(saver: Saver, kind: str) -> tuple[int | None, Manifest | None]:
     """``latest``'s step, and (incremental, same kind) its manifest, whose unchanged files
     the participants copy: one pointer read and one manifest read per save."""
-    pointer = saver.catalog.pointer_or_none()
-    if pointer is None or pointer.step is None:
+    latest = saver.latest_step()
+    if latest is None:
         return None, None
     if not saver.incremental:
-        return pointer.step, None
+        return latest, None
     try:
-        manifest = saver.catalog.read_manifest(pointer.step)  # fresh: its files are copied
+        manifest = saver.catalog.read_manifest(latest)  # fresh: its files are copied
     except CheckpointError as e:
         log.debug("no previous step to reuse files from: %s", e)
-        return pointer.step, None
-    return pointer.step, manifest if manifest.kind == kind else None
+        return latest, None
+    return latest, manifest if manifest.kind == kind else None
 
 
 def _label(participant: int | str) -> str:

@@ -213,9 +213,12 @@ class GarbageCollector:
             proven = all(verdicts[a][1] for a in dead)  # else a late committer may be alive
             found.deleted += self.remover.abort_step(step, dead, keep_tombstone=not proven) or []
         elif tombstone is not None and _old(tombstone.mtime, self.tombstone_cutoff):
-            if not self.dry_run:
-                self.remover.drop_tombstone(step)
-            found.deleted.append(layout.manifest_path(step))
+            if self.dry_run or self.remover.drop_tombstone(step):
+                found.deleted.append(layout.manifest_path(step))
+            else:
+                found.kept[layout.manifest_path(step)] = (
+                    "a tombstone whose deletion took too long (a slow request); gc retries it"
+                )
         elif tombstone is not None:
             found.kept[layout.manifest_path(step)] = (
                 "a tombstone that keeps a late commit of removed files out; it goes once no "

@@ -84,13 +84,14 @@ class Maintenance:
         self.pins.add(self.catalog.info(step).step)
 
     def delete(self, step: int, force: bool) -> None:
-        """Delete a committed step. ``latest`` or a pinned step needs ``force``.
+        """Delete a committed step. The latest step (the resolver's, which a pointer left
+        behind by a killed writer does not hide) or a pinned step needs ``force``.
 
         Deleting the latest step with ``force`` moves ``latest`` back to the newest step left.
         """
         info = self.catalog.info(step)
-        pointer, _ = self.catalog.read_pointer()
-        is_latest = pointer is not None and pointer.step == info.step
+        latest = self.resolver.latest()
+        is_latest = latest is not None and latest.step == info.step
         if not force and (is_latest or info.step in self.pins.steps()):
             what, fix = ("the latest step", "") if is_latest else ("pinned", "unpin it first or ")
             raise ConflictError(

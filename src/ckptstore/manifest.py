@@ -300,22 +300,54 @@ def _plain_value(value: Any, where: str) -> Any:
 
 
 def encode_tombstone(
-    writer: str, time: float, attempts: Iterable[str], *, committed: bool = False
+    writer: str,
+    time: float,
+    attempts: Iterable[str],
+    *,
+    committed: bool = False,
+    dropping: float | None = None,
 ) -> bytes:
     """What stands at a step's manifest key once its files are being removed: who removes it,
     and which save attempts (only those: a save that began later may commit over it).
     ``committed``: the attempts were a committed step's (an uncommit), which nobody commits
     again, so whoever finds the removal unfinished may finish it and drop the tombstone at
     once; otherwise (gc or a coordinator removing uncommitted attempts) the tombstone stays
-    until no committer of those attempts can be alive (garbage.py)."""
-    body = {
+    until no committer of those attempts can be alive (garbage.py). ``dropping``: when its
+    deletion began (removal.py's ``drop_tombstone``); nobody commits over it meanwhile."""
+    body: dict[str, Any] = {
         TOMBSTONE_KEY: 1,
         "writer": writer,
         "time": time,
         "attempts": sorted(attempts),
         "committed": committed,
     }
+    if dropping is not None:
+        body["dropping"] = dropping
     return json.dumps(body, sort_keys=True).encode()
+
+
+def dropping_tombstone(data: bytes, writer: str, time: float) -> bytes:
+    """``data`` (a tombstone) marked as being deleted by ``writer`` since ``time``."""
+    body = json.loads(data)
+    return encode_tombstone(
+        writer,
+        body.get("time", time),
+        tombstone_attempts(data) or (),
+        committed=body.get("committed") is True,
+        dropping=time,
+    )
+
+
+def tombstone_dropping(data: bytes) -> float | None:
+    """When the deletion of a tombstone began, or ``None`` (not a tombstone being dropped)."""
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(body, dict) or TOMBSTONE_KEY not in body:
+        return None
+    when = body.get("dropping")
+    return float(when) if isinstance(when, int | float) and not isinstance(when, bool) else None
 
 
 def tombstone_attempts(data: bytes) -> frozenset[str] | None:

@@ -6,33 +6,50 @@
 * Removing the attempts of an uncommitted step (``abort_step``, used by ``discard`` and ``gc``)
   first puts a tombstone at the manifest key with a create-only write. While it stands no commit
   of the step can succeed, so no file is deleted from under a step being committed.
+* A tombstone is deleted in two phases (``drop_tombstone``), because a save may commit over a
+  tombstone that names none of its attempts (compare-and-swap), and a plain read-then-delete
+  would delete a manifest committed in between. The dropper first marks the tombstone
+  *dropping* by compare-and-swap (which fails if a commit got there first), then deletes it,
+  only within :data:`DROP_WINDOW` seconds of starting, on its own monotonic clock. Nobody
+  commits or claims over a dropping tombstone: they wait for the key to go, and only after
+  watching it for longer than the window (the dropper died, or gave up) swap over it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
 
-from ckptstore import layout
+from ckptstore import deadline, layout
 from ckptstore.backends.base import Backend
 from ckptstore.catalog import Catalog
+from ckptstore.deadline import Deadline, bounded
 from ckptstore.errors import (
     CheckpointError,
+    DeadlineExceededError,
     NotFoundError,
     ObjectExistsError,
     PreconditionFailedError,
 )
 from ckptstore.manifest import (
     Manifest,
+    dropping_tombstone,
     encode_tombstone,
     is_tombstone,
     tombstone_attempts,
+    tombstone_dropping,
     tombstone_of_commit,
 )
 
 log = logging.getLogger(__name__)
+
+DROP_WINDOW = 10.0
+"""Seconds after it began marking a tombstone dropping within which a dropper deletes it."""
+DROP_MARGIN = 5.0
+"""What a waiter adds to the window: requests in flight, clocks that tick a little apart."""
 
 
 class Remover:
@@ -45,11 +62,15 @@ class Remover:
         writer: str,
         catalog: Catalog,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.backend = backend
         self.writer = writer
         self.catalog = catalog
         self.clock = clock
+        self.monotonic = monotonic
+        self.sleep = sleep
 
     def uncommit(self, step: int) -> None:
         """Delete a committed step: its manifest is swapped for a tombstone first (the step is
@@ -124,12 +145,44 @@ class Remover:
             log.warning("could not remove the files of uncommitted step %d (gc will): %s", step, e)
 
     def discard_step(self, step: int) -> None:
-        """Remove every staged file of an uncommitted step (a coordinator's, whose
-        participants staged files it will not commit); a failure is logged, gc finishes."""
+        """Remove every staged file of an uncommitted step, whoever staged it; the tombstone
+        stays (a committer of those attempts may be alive), and gc removes it. A failure is
+        logged, gc finishes."""
         try:
-            self.abort_step(step, keep_tombstone=False)
+            self.abort_step(step)
         except CheckpointError as e:
             log.warning("could not clean up uncommitted step %d (gc will): %s", step, e)
+
+    def discard_save(self, step: int, save: str | None, attempts: Iterable[str] = ()) -> None:
+        """Remove the attempts of one coordinated save that will not be committed: those its
+        participants reported, and those whose marker names ``save`` (a participant that
+        failed half-way); never another writer's, a new lease holder saving the same step
+        included. Nobody else commits these attempts, so the tombstone goes at once. A
+        failure is logged, gc finishes."""
+        try:
+            doomed = set(attempts) | self._attempts_of(step, save)
+            if doomed:
+                self.abort_step(step, doomed, keep_tombstone=False)
+        except CheckpointError as e:
+            log.warning("could not clean up uncommitted step %d (gc will): %s", step, e)
+
+    def _attempts_of(self, step: int, save: str | None) -> set[str]:
+        """The attempts of ``step`` whose marker names ``save`` (one GET per attempt)."""
+        if save is None:
+            return set()
+        found = set()
+        for attempt in {
+            a
+            for o in self.backend.list(layout.step_dir(step) + "/")
+            if (a := layout.parse_attempt_path(step, o.path)) is not None
+        }:
+            try:
+                marker = json.loads(self.backend.read(layout.attempt_marker_path(step, attempt)))
+            except (CheckpointError, ValueError):
+                continue  # no marker (yet), or unreadable: gc judges it
+            if isinstance(marker, dict) and marker.get("save") == save:
+                found.add(attempt)
+        return found
 
     def abort_step(
         self, step: int, attempts: set[str] | None = None, *, keep_tombstone: bool = True
@@ -188,6 +241,8 @@ class Remover:
                 continue
             if not is_tombstone(held):
                 return False
+            if tombstone_dropping(held) is not None and self.outwait_drop(path, version):
+                continue  # gone: create it
             try:
                 self.backend.swap(path, tombstone, version)
                 return True
@@ -195,12 +250,51 @@ class Remover:
                 continue
         return False
 
-    def drop_tombstone(self, step: int) -> None:
-        """Delete the step's tombstone, unless a manifest replaced it."""
+    def drop_tombstone(self, step: int) -> bool:
+        """Delete the step's tombstone, unless a manifest replaced it, in two phases (module
+        docstring); False if it is left standing (marking or deleting took past the window:
+        the next prune or gc drops it). A tombstone another remover is dropping is marked
+        afresh: whoever waits on the old mark sees it change and looks again."""
         path = layout.manifest_path(step)
-        with contextlib.suppress(NotFoundError):
-            if is_tombstone(self.backend.read(path)):
+        try:
+            held, version = self.backend.read_versioned(path)
+        except NotFoundError:
+            return True
+        if not is_tombstone(held):
+            return True
+        started = self.monotonic()
+        try:
+            self._swap(path, dropping_tombstone(held, self.writer, self.clock()), version)
+        except PreconditionFailedError:
+            return True  # a commit over it, or a newer claim: not ours to drop any more
+        left = max(0.0, DROP_WINDOW - (self.monotonic() - started))
+        try:
+            with bounded(Deadline.after(left, clock=self.monotonic)):
+                deadline.check(self.catalog.uri(path), doing="delete")
                 self.backend.delete([path])
+        except DeadlineExceededError as e:
+            log.warning(
+                "%s: left the tombstone of step %d for the next gc: %s", self.backend.uri, step, e
+            )
+            return False
+        return True
+
+    def outwait_drop(self, path: str, version: str) -> bool:
+        """Wait for a dropping tombstone (at ``version``) to be deleted; True once the key is
+        gone or holds something else (look again), False once it stood unchanged past the
+        dropper's window: its dropper deletes it no more, so it may be swapped over."""
+        until = self.monotonic() + DROP_WINDOW + DROP_MARGIN
+        pause = 0.05
+        while self.monotonic() < until:
+            self.sleep(pause)
+            pause = min(pause * 2, 1.0)
+            try:
+                _, now = self.backend.read_versioned(path)
+            except NotFoundError:
+                return True
+            if now != version:
+                return True
+        return False
 
 
 def delete_attempt_files(backend: Backend, paths: Iterable[str]) -> None:

@@ -75,7 +75,7 @@ class Resolver:
         try:
             pointer, _ = self.catalog.read_pointer()
             if pointer is not None and pointer.step is not None:
-                newer = self._committed_after(pointer)
+                newer = self.committed_after(pointer)
                 return newer or self.catalog.info(pointer.step)
         except (NotFoundError, CorruptCheckpointError) as e:
             log.warning("%s: latest pointer is unusable (%s); falling back to listing", self.uri, e)
@@ -97,9 +97,10 @@ class Resolver:
             )
         return readable[-1] if readable else None
 
-    def _committed_after(self, pointer: Pointer) -> CheckpointInfo | None:
-        """The newest committed step past the pointer's, if any (one listing)."""
-        step = pointer.step if pointer.step is not None else -1
+    def committed_after(self, pointer: Pointer | None) -> CheckpointInfo | None:
+        """The newest committed step past the pointer's (any, without one), if any: a writer
+        killed between its commit and moving the pointer (one listing)."""
+        step = pointer.step if pointer is not None and pointer.step is not None else -1
         for newer in reversed([s for s in self.catalog.step_dirs() if s > step]):
             try:
                 info = self.catalog.info(newer)

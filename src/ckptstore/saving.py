@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntr
 from ckptstore.observer import SaveObserver
 from ckptstore.payload import Progress, SourceFile, file_reader
 from ckptstore.removal import Remover
+from ckptstore.resolver import Resolver
 from ckptstore.transfer import scan_dir
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class Saver:
     observer: SaveObserver | None = None
     save_timeout: float | None = None
     """Seconds a save may take (deadline.py); None: no deadline."""
+    pointer_trusted: bool = field(default=False, init=False)
+    """Whether :meth:`latest_step` may take ``latest.json`` at its word (module docstring)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.shard_size, int) or self.shard_size < 1:
@@ -63,6 +66,19 @@ class Saver:
     @property
     def uri(self) -> str:
         return self.catalog.backend.uri
+
+    def latest_step(self) -> int | None:
+        """The step a save must not fall behind: ``latest``'s, or on this store's first save
+        (and after a save that failed once committed) a step committed past it, by a writer
+        killed between its commit and moving the pointer (one listing). Otherwise the pointer
+        is trusted: under the lease, only this store's saves move it."""
+        pointer = self.catalog.pointer_or_none()
+        step = pointer.step if pointer is not None else None
+        if not self.pointer_trusted:
+            newer = Resolver(self.catalog).committed_after(pointer)
+            step = newer.step if newer is not None else step
+            self.pointer_trusted = True
+        return step
 
     def hold_lease(self) -> int:
         """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""

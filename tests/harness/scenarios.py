@@ -71,7 +71,8 @@ _ENVIRONMENT: list[Any] = []
 
 def _skip_idle_costs(store: CheckpointStore) -> None:
     """Spare each store the environment probe (tens of ms, the same answer for every store in
-    this process) and the backoff sleeps after lost races (they cannot change who runs next)."""
+    this process) and the backoff sleeps after lost races (they cannot change who runs next);
+    the waits for a tombstone being dropped run on the logical clock."""
     own = vars(store)
     if own.get("_environment", False) is None:
         if not _ENVIRONMENT:
@@ -79,10 +80,12 @@ def _skip_idle_costs(store: CheckpointStore) -> None:
 
             _ENVIRONMENT.append(current_environment(world_size=1))
         own["_environment"] = _ENVIRONMENT[0]
-    for part in ("_committer", "_catalog"):
-        helper = own.get(part)
+    committer = own.get("_committer")
+    for helper in (committer, own.get("_catalog"), getattr(committer, "remover", None)):
         if helper is not None and "sleep" in vars(helper):
             vars(helper)["sleep"] = lambda seconds: None
+    if committer is not None:  # a tombstone's drop window on the logical clock (removal.py)
+        committer.remover.monotonic = committer.remover.clock
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ is chosen and then runs the operation atomically, recording its effects (schedul
 
 ``delete`` of several paths is one atomic operation. Calls that touch no object
 (``delete([])``, ``partial_writes``, ``abort``, ``close``, ``address``) are not scheduling
-points: they commute with everything.
+points: they commute with everything. A call made once the deadline in force has passed (on
+its own clock: a remover's is the logical one) raises its error and does nothing, as a real
+backend refuses to issue a request past it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 from ckptstore.backends.base import Capabilities, Chunk, ObjectAddress, ObjectInfo, PartialWrite
+from ckptstore.deadline import current_deadline
 from ckptstore.errors import ConfigError, NotFoundError, ObjectExistsError, PreconditionFailedError
 from harness.scheduler import Effect, Effects, Scheduler, Stored
 
@@ -149,7 +152,15 @@ class ScheduledBackend:
     def _call(
         self, op: str, path: str | tuple[str, ...], apply: Callable[[], tuple[T, Effects]]
     ) -> T:
-        return self.scheduler.call(op, path if isinstance(path, tuple) else (path,), apply)
+        paths = path if isinstance(path, tuple) else (path,)
+
+        def issued() -> tuple[T, Effects]:
+            deadline = current_deadline()  # a request goes out only before the deadline in force
+            if deadline is not None:
+                deadline.check(f"{self._uri}/{paths[0]}", doing=op)
+            return apply()
+
+        return self.scheduler.call(op, paths, issued)
 
     def _get(self, path: str) -> Stored:
         found = self.objects.get(path)

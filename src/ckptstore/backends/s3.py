@@ -27,7 +27,8 @@ wait outlives the deadline in force (:mod:`ckptstore.deadline`): then a multipar
 aborted and SaveTimeoutError (or LoadTimeoutError) names the file, the upload, the bytes done
 and the last error. Errors are translated once, at this boundary (:mod:`.s3_errors`), by error
 code and HTTP status, never by message text. Options and URIs are validated in
-:mod:`.s3_options`.
+:mod:`.s3_options`. The requests about many keys at once (listings, batched deletes, the remains
+of unfinished writes) are in :mod:`.s3_namespace`.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ from ckptstore.backends.base import (
     PartialWrite,
     error_context,
 )
-from ckptstore.backends.s3_errors import is_not_found, is_unsupported
+from ckptstore.backends.s3_errors import is_not_found
+from ckptstore.backends.s3_namespace import Namespace
 from ckptstore.backends.s3_options import S3Options, parse_s3_uri
-from ckptstore.backends.s3_probe import bare, capabilities, probe
+from ckptstore.backends.s3_probe import PROBE_PREFIX, bare, capabilities, probe
 from ckptstore.backends.s3_progress import Progress
 from ckptstore.backends.s3_transfer import Transfers, crc32c_base64, drain, split
 from ckptstore.errors import CheckpointError, ConfigError, NotFoundError, PreconditionFailedError
@@ -65,9 +67,6 @@ from ckptstore.errors import CheckpointError, ConfigError, NotFoundError, Precon
 __all__ = ["S3Backend", "S3Options", "parse_s3_uri"]
 
 logger = logging.getLogger(__name__)
-
-DELETE_BATCH = 1000
-PROBE_DIR = ".ckptstore"
 
 
 class S3Backend(BaseBackend):
@@ -97,6 +96,9 @@ class S3Backend(BaseBackend):
             checksums=self._opts.checksums,
             stall_timeout=self._opts.stall_timeout,
             retry_timeout=self._opts.retry_timeout,
+        )
+        self._namespace = Namespace(
+            self._uri, self._base, self._transfers, self._errors, self._warn_once
         )
 
     def __repr__(self) -> str:
@@ -163,26 +165,12 @@ class S3Backend(BaseBackend):
         return ObjectInfo(path, int(resp["ContentLength"]), resp["LastModified"].timestamp())
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        full = self._base + prefix
-        with self._translated(full, "list"):
-            for page in self._transfers.pages("list_objects_v2", full, "list", Prefix=full):
-                for obj in page.get("Contents", ()):
-                    rel = str(obj["Key"])[len(self._base) :]
-                    if rel.endswith("/") or rel.startswith(f"{PROBE_DIR}/probe-"):
-                        continue  # console "folder" markers and in-flight probes
-                    yield ObjectInfo(rel, int(obj["Size"]), obj["LastModified"].timestamp())
+        """Leaves out console "folder" markers and in-flight probes (:mod:`.s3_namespace`)."""
+        return self._namespace.objects(prefix)
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
-        full = self._base + prefix
-        if prefix and not full.endswith("/"):
-            full += "/"
-        names = []
-        pages = self._transfers.pages("list_objects_v2", full, "list", Prefix=full, Delimiter="/")
-        with self._translated(full, "list"):
-            for page in pages:
-                for common in page.get("CommonPrefixes", ()):
-                    names.append(str(common["Prefix"])[len(full) :].rstrip("/"))
-        return sorted(name for name in names if name)
+        """One delimited listing (:meth:`.s3_namespace.Namespace.dirs`)."""
+        return self._namespace.dirs(prefix)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -278,66 +266,15 @@ class S3Backend(BaseBackend):
             )
 
     def delete(self, paths: Sequence[str]) -> None:
-        keys = [self._key(p) for p in paths]
-        for i in range(0, len(keys), DELETE_BATCH):
-            batch = keys[i : i + DELETE_BATCH]
-            with self._translated(batch[0], "delete"):
-                resp = self._transfers.call(
-                    "delete_objects",
-                    batch[0],
-                    "delete",
-                    Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
-                )
-            errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in s3_errors.NOT_FOUND]
-            if errors:  # DeleteObjects answers 200 and reports failures per key
-                failed = ", ".join(
-                    f"{self._obj(str(e.get('Key', '?')))} ({e.get('Code')})" for e in errors[:5]
-                )
-                target = f"{len(errors)} object(s) under {self._uri}"
-                code = str(errors[0].get("Code", ""))
-                raise self._errors.error(code, target, "delete", f"failed: {failed}")
+        """DeleteObjects in batches, failures reported per key (:mod:`.s3_namespace`)."""
+        self._namespace.delete(paths)
 
     def partial_writes(self, prefix: str) -> builtins.list[PartialWrite]:
         """Unfinished multipart uploads, and probe objects a process killed mid-probe left."""
-        return self._unfinished_uploads(prefix) + self._leftover_probes(prefix)
-
-    def _leftover_probes(self, prefix: str) -> builtins.list[PartialWrite]:
-        probes = f"{PROBE_DIR}/probe-"
-        if not probes.startswith(prefix):
-            return []
-        found = []
-        full = self._base + probes
-        with self._translated(full, "list"):
-            for page in self._transfers.pages("list_objects_v2", full, "list", Prefix=full):
-                for obj in page.get("Contents", ()):
-                    rel = str(obj["Key"])[len(self._base) :]
-                    found.append(PartialWrite(rel, "", obj["LastModified"].timestamp()))
-        return found
-
-    def _unfinished_uploads(self, prefix: str) -> builtins.list[PartialWrite]:
-        full = self._base + prefix
-        with self._translated(full, "list unfinished uploads under"):
-            try:
-                found = self._transfers.unfinished(full)
-            except ClientError as e:
-                if not is_unsupported(e):
-                    raise
-                self._warn_once(
-                    "list-uploads",
-                    f"{self._endpoint} does not implement ListMultipartUploads: gc cannot find "
-                    f"unfinished uploads under {self._uri}; add an AbortIncompleteMultipartUpload "
-                    "lifecycle rule to the bucket instead",
-                )
-                return []
-        return [PartialWrite(key[len(self._base) :], upload_id, t) for key, upload_id, t in found]
+        return self._namespace.partial_writes(prefix)
 
     def abort(self, partial: PartialWrite) -> None:
-        if partial.path.startswith(f"{PROBE_DIR}/probe-"):  # a probe object, not an upload
-            self.delete([partial.path])
-            return
-        key = self._key(partial.path)
-        with self._translated(key, "abort the upload of"):
-            self._transfers.abort(key, partial.upload_id)
+        self._namespace.abort(partial)
 
     def close(self) -> None:
         self._transfers.close()
@@ -391,7 +328,7 @@ class S3Backend(BaseBackend):
             return self._caps
 
     def _run_probe(self) -> Capabilities:
-        path = f"{PROBE_DIR}/probe-{uuid.uuid4().hex}"
+        path = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
         key, body = self._key(path), b"ckptstore capability probe; safe to delete\n"
         try:
             with self._translated(key, "probe conditional writes with"):

@@ -13,23 +13,40 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 from botocore.exceptions import ClientError, IncompleteReadError
 
 from ckptstore.backends.s3_errors import code_of, is_refused
 from ckptstore.backends.s3_progress import Meter, Progress
+from ckptstore.backends.s3_retry import Retrier
 from ckptstore.deadline import submit
-
-if TYPE_CHECKING:
-    from ckptstore.backends.s3_transfer import Transfers
 
 READ_PIECE = 4 << 20
 """Bytes per ``readinto`` call on a GET's body, at most (:func:`read_body_into`): small
 enough that urllib3's temporary copy of each piece stays in the CPU's cache."""
 FIRST_PIECE = 64 << 10
 MIN_PIECE = 16 << 10
+
+
+class GetRequests(Protocol):
+    """What a GET needs of the backend's :class:`~.s3_transfer.Transfers` (which calls this
+    module, so the type is spelled out here): single attempts, the retry loop around them, the
+    pool for ranges and a wait bounded by the deadline."""
+
+    retrier: Retrier
+    stall_timeout: float
+
+    def name(self, key: str) -> str: ...
+
+    def request(self, method: str, **params: Any) -> dict[str, Any]: ...
+
+    def pool(self) -> ThreadPoolExecutor: ...
+
+    def wait(
+        self, futures: set[Future[Any]], progress: Progress, return_when: str
+    ) -> tuple[set[Future[Any]], set[Future[Any]]]: ...
 
 
 def read_body_into(
@@ -114,7 +131,7 @@ class _Resumable:
 
     def __init__(
         self,
-        moves: Transfers,
+        moves: GetRequests,
         key: str,
         progress: Progress,
         buffer: Callable[[dict[str, Any]], memoryview],
@@ -162,7 +179,7 @@ class _Resumable:
         return self.response, size
 
 
-def get(moves: Transfers, key: str, extra: dict[str, str]) -> tuple[dict[str, Any], bytes]:
+def get(moves: GetRequests, key: str, extra: dict[str, str]) -> tuple[dict[str, Any], bytes]:
     """GetObject (``extra``: a ``Range``) and its whole body."""
     buffers: list[bytearray] = []
 
@@ -177,7 +194,7 @@ def get(moves: Transfers, key: str, extra: dict[str, str]) -> tuple[dict[str, An
 
 
 def get_into(
-    moves: Transfers,
+    moves: GetRequests,
     key: str,
     out: memoryview,
     extra: dict[str, str],
@@ -190,7 +207,7 @@ def get_into(
     return moves.retrier.call("GetObject", read.attempt, progress)
 
 
-def read_into(moves: Transfers, key: str, out: memoryview, part_size: int) -> int:
+def read_into(moves: GetRequests, key: str, out: memoryview, part_size: int) -> int:
     """Ranged GETs of ``part_size`` bytes, ``max_concurrency`` at a time, straight into
     ``out``: a large file downloads over many connections, like the upload. Returns the
     object's size, which may differ from ``len(out)``."""

@@ -23,19 +23,17 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any, Protocol
 
 from botocore.exceptions import ClientError
 
 from ckptstore.backends.s3_errors import is_not_found
 from ckptstore.backends.s3_options import MAX_PART_SIZE
 from ckptstore.backends.s3_progress import Meter, Progress, ProgressBody
+from ckptstore.backends.s3_retry import Retrier
 from ckptstore.deadline import Deadline, bounded, current_deadline, submit
 from ckptstore.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ckptstore.backends.s3_transfer import Transfers
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +52,42 @@ Upload = tuple[str, str, "float | None"]
 """An unfinished upload: its key, its upload id, and when it started."""
 
 
+class PartRequests(Protocol):
+    """What a multipart operation needs of the backend's :class:`~.s3_transfer.Transfers`
+    (which calls this module, so the type is spelled out here): its requests and retry loop,
+    its pool with the slots that bound the parts in flight, and its checksum settings."""
+
+    limit: int
+    checksums: bool
+    stall_timeout: float
+    retrier: Retrier
+    slots: threading.BoundedSemaphore
+
+    def name(self, key: str) -> str: ...
+
+    def request(self, method: str, **params: Any) -> dict[str, Any]: ...
+
+    def call(self, method: str, key: str, doing: str, **params: Any) -> dict[str, Any]: ...
+
+    def pages(
+        self, method: str, key: str, doing: str, **params: Any
+    ) -> Iterator[dict[str, Any]]: ...
+
+    def pool(self) -> ThreadPoolExecutor: ...
+
+    def acquire(self, progress: Progress) -> None: ...
+
+    def wait(
+        self, futures: set[Future[Any]], progress: Progress, return_when: str
+    ) -> tuple[set[Future[Any]], set[Future[Any]]]: ...
+
+    def part_checksum(self, data: bytes | bytearray) -> dict[str, str]: ...
+
+
 class Multipart:
     """Multipart uploads and copies on one backend's :class:`~.s3_transfer.Transfers`."""
 
-    def __init__(self, moves: Transfers) -> None:
+    def __init__(self, moves: PartRequests) -> None:
         self.moves = moves
 
     def upload(self, key: str, parts: Iterator[bytearray], *, part_size: int) -> int:

@@ -31,6 +31,9 @@ from ckptstore.backends.s3_errors import code_of, is_refused, is_unsupported, st
 
 logger = logging.getLogger(__name__)
 
+PROBE_PREFIX = ".ckptstore/probe-"
+"""The probe objects' paths under a store's root, each ``<prefix><uuid>``: listings leave them
+out, and ``gc`` removes those a process killed mid-probe left."""
 Put = Callable[..., dict[str, Any]]
 """PUT the probe object with these extra PutObject parameters; returns the response."""
 _BAD_CHECKSUM = frozenset({"BadDigest", "XAmzContentChecksumMismatch", "InvalidDigest"})

@@ -12,20 +12,19 @@ import contextlib
 import select
 import socket
 import struct
+import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from email.message import Message
 from http.client import HTTPConnection, HTTPResponse
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from ckptstore.testing import quirks
 from ckptstore.testing.faultmodes import Fault
-
-if TYPE_CHECKING:
-    from ckptstore.testing.faultproxy import FaultProxy
+from ckptstore.testing.throttle import Throttle
 
 _ERRORS = {
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
@@ -45,6 +44,25 @@ _POST_OPERATIONS = (
     ("uploadId", "CompleteMultipartUpload"),
     ("delete", "DeleteObjects"),
 )
+
+
+class Proxy(Protocol):
+    """What a handler asks of the proxy it serves (:class:`~.faultproxy.FaultProxy`, which
+    imports this module, so the type is spelled out here): where to forward, which fault to
+    apply, and whether it is stopping."""
+
+    upstream: tuple[str, int]
+    quirk: str | None
+    throttle: Throttle | None
+    stopping: threading.Event
+
+    def choose(
+        self, op: str, conditions: Iterable[str] = (), key: str = "", byte_range: str = ""
+    ) -> tuple[str | None, float]: ...
+
+    def mode_for(self, op: str, key: str) -> Fault | None: ...
+
+    def track(self, connection: socket.socket, alive: bool) -> None: ...
 
 
 def operation(method: str, path: str, query: Mapping[str, Any], headers: Message) -> str:
@@ -87,7 +105,7 @@ class Handler(BaseHTTPRequestHandler):
     do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
 
     @property
-    def proxy(self) -> FaultProxy:
+    def proxy(self) -> Proxy:
         return self.server.proxy  # type: ignore[attr-defined,no-any-return]
 
     def setup(self) -> None:

@@ -41,7 +41,7 @@ from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from ckptstore.testing.faulthandler import Handler, operation
+from ckptstore.testing.faulthandler import Handler, Proxy, operation
 from ckptstore.testing.faultmodes import Fault
 from ckptstore.testing.quirks import QUIRKS
 from ckptstore.testing.throttle import Throttle
@@ -55,6 +55,8 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
     allow_reuse_address = True
+    proxy: Proxy
+    """The :class:`FaultProxy` its handlers serve (set before it starts)."""
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Quiet: clients that give up on a stalled or reset connection are the point."""
@@ -113,7 +115,7 @@ class FaultProxy:
         self._listen_lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._server = _Server((host, port), Handler, bind_and_activate=False)
-        self._server.proxy = self  # type: ignore[attr-defined]
+        self._server.proxy = self
         self._thread: threading.Thread | None = None
         self._bound = False
 
