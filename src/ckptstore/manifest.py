@@ -328,7 +328,7 @@ def encode_tombstone(
 
 def dropping_tombstone(data: bytes, writer: str, time: float) -> bytes:
     """``data`` (a tombstone) marked as being deleted by ``writer`` since ``time``."""
-    body = json.loads(data)
+    body = _tombstone_body(data) or {}
     return encode_tombstone(
         writer,
         body.get("time", time),
@@ -338,25 +338,25 @@ def dropping_tombstone(data: bytes, writer: str, time: float) -> bytes:
     )
 
 
-def tombstone_dropping(data: bytes) -> float | None:
-    """When the deletion of a tombstone began, or ``None`` (not a tombstone being dropped)."""
+def _tombstone_body(data: bytes) -> dict[str, Any] | None:
+    """The fields of a tombstone, or ``None`` if ``data`` is not one."""
     try:
         body = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if not isinstance(body, dict) or TOMBSTONE_KEY not in body:
-        return None
-    when = body.get("dropping")
+    return body if isinstance(body, dict) and TOMBSTONE_KEY in body else None
+
+
+def tombstone_dropping(data: bytes) -> float | None:
+    """When the deletion of a tombstone began, or ``None`` (not a tombstone being dropped)."""
+    when = (_tombstone_body(data) or {}).get("dropping")
     return float(when) if isinstance(when, int | float) and not isinstance(when, bool) else None
 
 
 def tombstone_attempts(data: bytes) -> frozenset[str] | None:
     """The attempts a tombstone removes, or ``None`` if ``data`` is not a tombstone."""
-    try:
-        body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(body, dict) or TOMBSTONE_KEY not in body:
+    body = _tombstone_body(data)
+    if body is None:
         return None
     attempts = body.get("attempts")
     return (
@@ -367,16 +367,12 @@ def tombstone_attempts(data: bytes) -> frozenset[str] | None:
 
 
 def is_tombstone(data: bytes) -> bool:
-    return tombstone_attempts(data) is not None
+    return _tombstone_body(data) is not None
 
 
 def tombstone_of_commit(data: bytes) -> bool:
     """Whether ``data`` is an uncommit's tombstone (:func:`encode_tombstone`)."""
-    try:
-        body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(body, dict) and TOMBSTONE_KEY in body and body.get("committed") is True
+    return (_tombstone_body(data) or {}).get("committed") is True
 
 
 def _check_files_by_key(index: object, paths: set[str]) -> None:
