@@ -292,3 +292,15 @@ def test_a_save_behind_latest_behind_a_stale_pointer_is_refused(tmp_path: Path) 
     latest() = 3, is committed, where a rerun that forgot to resume must be refused."""
     with pytest.raises(StepBehindLatestError):
         _stale_pointer(tmp_path).save(2, state(2))
+
+
+def test_a_refused_save_does_not_make_a_stale_pointer_trusted(tmp_path: Path) -> None:
+    """State machine (full suite): kill_saving, save_behind_latest_is_refused(0), then (2).
+    The first refusal listed the steps and found 3 past the pointer; the second save must
+    not then take the pointer (1) at its word and commit step 2 behind latest() = 3."""
+    store = _stale_pointer(tmp_path)
+    with pytest.raises(StepBehindLatestError):
+        store.save(0, state(0))
+    with pytest.raises(StepBehindLatestError):
+        store.save(2, state(2))
+    assert [i.step for i in store.list()] == [1, 3]

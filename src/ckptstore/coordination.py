@@ -279,6 +279,7 @@ class Coordinator:
         except BaseException:
             saver.pointer_trusted = False  # committed, but latest not moved: list next time
             raise
+        saver.pointer_trusted = True  # latest is this step, the newest committed
         stats = SaveStats.of(manifest, time.perf_counter() - self.started, blocked)
         saver.saved(stats)
         return saver.catalog.info_of(manifest, stats)

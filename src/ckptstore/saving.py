@@ -70,14 +70,16 @@ class Saver:
     def latest_step(self) -> int | None:
         """The step a save must not fall behind: ``latest``'s, or on this store's first save
         (and after a save that failed once committed) a step committed past it, by a writer
-        killed between its commit and moving the pointer (one listing). Otherwise the pointer
-        is trusted: under the lease, only this store's saves move it."""
+        killed between its commit and moving the pointer (one listing). Once a listing finds
+        none, the pointer is trusted: under the lease, only this store's saves move it. A
+        pointer found stale stays untrusted until a commit moves it (a refused save moves
+        nothing)."""
         pointer = self.catalog.pointer_or_none()
         step = pointer.step if pointer is not None else None
         if not self.pointer_trusted:
             newer = Resolver(self.catalog).committed_after(pointer)
             step = newer.step if newer is not None else step
-            self.pointer_trusted = True
+            self.pointer_trusted = newer is None
         return step
 
     def hold_lease(self) -> int:

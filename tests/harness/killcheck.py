@@ -132,6 +132,8 @@ def _check_latest(
         pointer = Pointer.decode(store.backend.read(layout.LATEST_NAME), layout.LATEST_NAME)
     except NotFoundError:
         pointer = None
+    if pointer is not None and pointer.step is None:
+        pointer = None  # stamped by a takeover (its fences) before any step was committed
     if pointer is not None and pointer.step not in committed:
         found.broken.append(f"latest.json points at step {pointer.step}, which is not committed")
     latest = store.latest()

@@ -2,9 +2,9 @@
 
 ::
 
-    python -m harness.killfuzz --seed 1 --kills 13 --modes sync,async --targets local,s3
+    python -m harness.killfuzz --seed 1 --kills 8 --modes sync,async --targets local,s3
 
-(52 kills, as tests/test_killfuzz.py runs in CI; ``--kills 250`` is the long run, 1,000 kills,
+(32 kills, as tests/test_killfuzz.py runs in CI; ``--kills 250`` is the long run, 1,000 kills,
 about half an hour on 2 cores.)
 For each mode (``save`` or ``save_async``) and target (a local directory, or a bucket on an
 embedded moto S3 server started here), it runs ``--kills`` rounds on one store: start a saver
