@@ -258,9 +258,9 @@ def _pointer_step(store: CheckpointStore) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def _stale_pointer(root: Path) -> CheckpointStore:
-    """Step 1 committed and latest; then step 3 committed by a writer killed right before it
-    moved ``latest.json``: latest() is 3, the pointer says 1."""
+def _stale_pointer(root: Path, newest: int = 3) -> CheckpointStore:
+    """Step 1 committed and latest; then step ``newest`` committed by a writer killed right
+    before it moved ``latest.json``: latest() is ``newest``, the pointer says 1."""
     uri = str(root / "run")
     CheckpointStore(uri, lease=False).save(1, state(1))
     switch = FaultyBackend(open_backend(uri), fail_at=None, mode="crash")
@@ -273,10 +273,10 @@ def _stale_pointer(root: Path) -> CheckpointStore:
 
     switch.swap = die_at_the_pointer  # type: ignore[method-assign]
     with pytest.raises(InjectedFault):
-        CheckpointStore(uri, backend=switch, lease=False).save(3, state(3))
+        CheckpointStore(uri, backend=switch, lease=False).save(newest, state(newest))
     store = CheckpointStore(uri, lease=False)
     latest = store.latest()
-    assert latest is not None and latest.step == 3 and _pointer_step(store) == 1
+    assert latest is not None and latest.step == newest and _pointer_step(store) == 1
     return store
 
 
@@ -304,3 +304,15 @@ def test_a_refused_save_does_not_make_a_stale_pointer_trusted(tmp_path: Path) ->
     with pytest.raises(StepBehindLatestError):
         store.save(2, state(2))
     assert [i.step for i in store.list()] == [1, 3]
+
+
+def test_an_older_step_saved_on_purpose_does_not_make_a_stale_pointer_trusted(
+    tmp_path: Path,
+) -> None:
+    """allow_older commits step 2 and moves the pointer from 1 to 2; step 5 is still newer,
+    so a save of step 4 after it is refused as behind latest."""
+    store = _stale_pointer(tmp_path, newest=5)
+    store.save(2, state(2), allow_older=True)
+    with pytest.raises(StepBehindLatestError):
+        store.save(4, state(4))
+    assert [i.step for i in store.list()] == [1, 2, 5]

@@ -279,7 +279,9 @@ class Coordinator:
         except BaseException:
             saver.pointer_trusted = False  # committed, but latest not moved: list next time
             raise
-        saver.pointer_trusted = True  # latest is this step, the newest committed
+        newest = self.plan.previous.step
+        if newest is None or self.step >= newest:  # not an allow_older save
+            saver.pointer_trusted = True  # latest is this step, the newest committed
         stats = SaveStats.of(manifest, time.perf_counter() - self.started, blocked)
         saver.saved(stats)
         return saver.catalog.info_of(manifest, stats)
