@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,16 @@ import pytest
 
 MiB = 1 << 20
 BACKENDS = ["local", "memory", "s3"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a ``slow`` test first, then the others by their number of tests, most first.
+    scripts/test hands pytest-xdist's workers a file at a time in this order (it passes
+    ``--no-loadscope-reorder``): a long file taken last keeps one worker busy while the others
+    idle. Tests keep their order within each file."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    tests_in = Counter(item.path for item in items)
+    items.sort(key=lambda item: (0,) if item.path in slow_files else (1, -tests_in[item.path]))
 
 
 def _free_port() -> int:

@@ -39,6 +39,8 @@ from ckptstore.errors import (
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 from ckptstore.testing.throttle import Throttle
 
+pytestmark = pytest.mark.wallclock  # timed assertions: run on a quiet machine
+
 MiB = 1 << 20
 MARGIN = 3.0
 """Seconds past a deadline a failure may take here (the backend's own bound is about 1.5 s)."""

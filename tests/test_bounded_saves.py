@@ -26,6 +26,8 @@ from ckptstore.integrations.training import CheckpointCallback
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 from ranks import run_ranks
 
+pytestmark = pytest.mark.wallclock  # timed assertions: run on a quiet machine
+
 MiB = 1 << 20
 SAVE_TIMEOUT = 2.0
 MARGIN = 3.0

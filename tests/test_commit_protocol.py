@@ -413,6 +413,7 @@ def count_operations(make_store: StoreFactory) -> int:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["error", "crash"])
+@pytest.mark.slow
 def test_failing_the_nth_operation_never_exposes_a_bad_step(
     backend_uri: tuple[str, dict[str, Any]], mode: str, tmp_path: Path
 ) -> None:

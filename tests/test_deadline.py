@@ -242,6 +242,7 @@ def test_failures_are_classified_by_type_code_and_status(error: Exception, kind:
     assert classify(error) is kind
 
 
+@pytest.mark.wallclock
 def test_retries_are_budgeted_by_time_not_by_count() -> None:
     calls: list[float] = []
 
@@ -262,6 +263,7 @@ def test_retries_are_budgeted_by_time_not_by_count() -> None:
     assert len(calls) == 3
 
 
+@pytest.mark.wallclock
 def test_under_a_deadline_the_retry_loop_raises_its_error_naming_the_last_failure() -> None:
     def slow_down() -> None:
         raise client_error("SlowDown", 503)
@@ -276,6 +278,7 @@ def test_under_a_deadline_the_retry_loop_raises_its_error_naming_the_last_failur
     retrier.close()
 
 
+@pytest.mark.wallclock
 def test_an_attempt_blocked_past_the_deadline_is_abandoned_and_cancelled() -> None:
     progress = Progress("s3://b/run/k", "write")
 

@@ -76,6 +76,7 @@ def hf_dir(steps: Path, name: str) -> Path:
 
 
 @pytest.mark.parametrize("name", ["plain1", "plain2", "tied3"])
+@pytest.mark.slow
 def test_real_verl_steps_export_bit_exact_with_the_trained_logits(
     steps: Path, name: str, tmp_path: Path, s3_uri: str, s3_options: dict[str, Any]
 ) -> None:
@@ -177,6 +178,7 @@ def test_verl_model_merger_on_the_same_step_and_how_it_differs(
     assert (tmp_path / "ours" / "model.safetensors.index.json").is_file()
 
 
+@pytest.mark.slow
 def test_an_export_to_s3_streams_within_the_memory_bound(
     s3_endpoint: str, s3_bucket: str, tmp_path: Path
 ) -> None:

@@ -94,6 +94,7 @@ def test_a_second_writer_is_refused_while_the_first_is_live(store_uri: Uri) -> N
     second.save(2, {"step": 2})  # released: no takeover needed
 
 
+@pytest.mark.wallclock
 def test_a_contender_elsewhere_sees_the_heartbeat_and_is_refused(store_uri: Uri) -> None:
     holder = open_store(store_uri, lease_ttl=1.0)
     holder.hold_lease()
@@ -123,6 +124,7 @@ def test_the_heartbeat_keeps_the_lease_across_a_long_gap_between_saves(store_uri
     assert holder.hold() == epoch and read_record(backend)["epoch"] == epoch
 
 
+@pytest.mark.wallclock
 def test_a_live_holder_in_another_process_is_refused_within_a_heartbeat(tmp_path: Path) -> None:
     uri = str(tmp_path / "store")
     holder = start(uri, {}, "hold", ttl=0.5)
@@ -253,6 +255,7 @@ def test_a_script_that_exits_without_close_can_run_again(shared_uri: Uri) -> Non
         assert read_record(store.backend)["released"] is True
 
 
+@pytest.mark.wallclock
 def test_a_sigkilled_holder_on_this_host_is_taken_over_at_once(
     shared_uri: Uri, lease_log: pytest.LogCaptureFixture
 ) -> None:
@@ -303,6 +306,7 @@ def test_a_silent_holder_elsewhere_is_taken_over_after_one_ttl(
     assert any("stayed unchanged" in m for m in warnings_of(lease_log))
 
 
+@pytest.mark.wallclock
 def test_a_silent_holder_is_taken_over_after_one_real_ttl(store_uri: Uri) -> None:
     store = open_store(store_uri, lease_ttl=1.0)
     write_record(store.backend, ttl=1.0)

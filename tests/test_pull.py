@@ -85,7 +85,8 @@ def corrupt(store: CheckpointStore, step: int, path: str, *, truncate: bool = Fa
 
 class Reads(BackendProxy):
     """Records every read of a payload file of ``step`` (requested sizes, whole reads, reads
-    in flight); raises ``fail`` once ``fail_after`` reads went through."""
+    in flight); raises ``fail`` once ``fail_after`` reads went through, listing ``watch`` (as
+    ``seen_during``) when it first does."""
 
     def __init__(
         self,
@@ -112,7 +113,8 @@ class Reads(BackendProxy):
             if end is None:
                 self.whole.append(path)
             if self.fail_after is not None and len(self.sizes) >= self.fail_after:
-                if self.watch is not None:
+                if self.watch is not None and not self.seen_during:  # the first failure's:
+                    # reads still in flight fail later, after the pull has cleaned up
                     self.seen_during = sorted(p.name for p in self.watch.iterdir())
                 assert self.fail is not None
                 raise self.fail

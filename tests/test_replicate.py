@@ -206,6 +206,7 @@ class Writes(BackendProxy):
 
 
 @pytest.mark.parametrize("target", ["local", "s3", "s3 server-side"])
+@pytest.mark.slow
 def test_a_replication_killed_at_every_point_resumes_without_copying_finished_files(
     target: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -192,6 +192,7 @@ def assert_all_load(uri: str, options: dict[str, Any], steps: list[int]) -> None
             assert state["step"] == step and torch.equal(state["w"], state_for(step)["w"])
 
 
+@pytest.mark.slow
 def test_a_zombie_is_fenced_and_never_moves_latest_again(
     where: tuple[str, dict[str, Any]], pointer_moves: list[Pointer]
 ) -> None:
@@ -218,6 +219,7 @@ def test_a_zombie_is_fenced_and_never_moves_latest_again(
     assert_all_load(uri, options, zombie.saved + successor.saved)
 
 
+@pytest.mark.slow
 def test_a_second_cluster_is_refused_while_the_lease_is_live(
     where: tuple[str, dict[str, Any]], pointer_moves: list[Pointer]
 ) -> None:

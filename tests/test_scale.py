@@ -45,6 +45,7 @@ def by_name(phases: list[Phase]) -> dict[str, Phase]:
     return {p.name.split(" ")[0]: p for p in phases}
 
 
+@pytest.mark.slow
 def test_a_1024_rank_save_costs_what_the_model_says(rig: Rig) -> None:
     config = SaveConfig(
         ranks=RANKS, files=1, file_size=64, workers=WORKERS, steps=1, incremental=False
