@@ -65,8 +65,6 @@ class Saver(Protocol):
     remover: Remover
     incremental: bool
     save_timeout: float | None
-    pointer_trusted: bool
-    """False: the next :meth:`latest_step` lists the steps past ``latest``."""
 
     @property
     def uri(self) -> str: ...
@@ -86,6 +84,10 @@ class Saver(Protocol):
     def hold_lease(self) -> int: ...
 
     def ensure_lease(self) -> int: ...
+
+    def advance_latest(self, step: int, *, epoch: int, newest_before: int | None) -> None:
+        """Move ``latest`` to the step just committed (saving.py)."""
+        ...
 
     def saved(self, stats: SaveStats) -> None:
         """After a commit moved ``latest``: log, tell the observer, apply retention."""
@@ -274,14 +276,7 @@ class Coordinator:
             with cleanup_time():
                 saver.remover.discard_attempts(self.step, {e.attempt for e in entries if e.attempt})
             raise
-        try:
-            saver.committer.advance_latest(self.step, epoch=epoch)
-        except BaseException:
-            saver.pointer_trusted = False  # committed, but latest not moved: list next time
-            raise
-        newest = self.plan.previous.step
-        if newest is None or self.step >= newest:  # not an allow_older save
-            saver.pointer_trusted = True  # latest is this step, the newest committed
+        saver.advance_latest(self.step, epoch=epoch, newest_before=self.plan.previous.step)
         stats = SaveStats.of(manifest, time.perf_counter() - self.started, blocked)
         saver.saved(stats)
         return saver.catalog.info_of(manifest, stats)

@@ -82,6 +82,18 @@ class Saver:
             self.pointer_trusted = newer is None
         return step
 
+    def advance_latest(self, step: int, *, epoch: int, newest_before: int | None) -> None:
+        """Move ``latest`` to ``step``, just committed. The pointer is trusted after that only
+        if ``step`` is the newest committed (not an ``allow_older`` save behind
+        ``newest_before``); a move that fails leaves it untrusted: list next time."""
+        try:
+            self.committer.advance_latest(step, epoch=epoch)
+        except BaseException:
+            self.pointer_trusted = False
+            raise
+        if newest_before is None or step >= newest_before:
+            self.pointer_trusted = True
+
     def hold_lease(self) -> int:
         """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""
         return self.lease.hold() if self.lease is not None else 0
