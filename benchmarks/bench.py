@@ -3,23 +3,24 @@
     scripts/bench                       # 1 GiB state, 3 runs, local dir + moto on 127.0.0.1
     python benchmarks/bench.py --size-mb 64 --runs 1 --targets s3 --only ckptstore
 
-Every row is measured in a fresh subprocess (bench_worker.py) that builds the same state from a
-fixed seed; the S3 server (moto, unless ``--endpoint-url``) runs in this process, so its memory
-is not counted against any row. Each row's speed is the median of ``--runs`` runs, compared
-with the raw limit of its target measured in the same run: the same bytes written with one
-write + fsync (or read back with the page cache dropped), and uploaded (downloaded) through
-boto3's plain API at the best settings of a short sweep (bench_s3_limits.py). The table is
-followed by the issue's targets, each with PASS or MISS. See benchmarks/README.md.
+Every row is measured in a fresh process (bench_worker.py, forked from a server that imported
+it) that builds the same state from a fixed seed; the S3 server (moto, unless
+``--endpoint-url``) runs in this process, so its memory is not counted against any row. Each
+row's speed is the median of ``--runs`` runs, compared with the raw limit of its target measured
+in the same run: the same bytes written with one write + fsync (or read back with the page cache
+dropped), and uploaded (downloaded) through boto3's plain API at the best settings of a short
+sweep (bench_s3_limits.py). The table is followed by the issue's targets, each with PASS or
+MISS. See benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -90,20 +91,41 @@ def child_env(s3: S3Target | None, moto: bool) -> dict[str, str]:
     return env
 
 
+ROWS = multiprocessing.get_context("forkserver")
+"""Rows run in processes forked from a server that imported bench_worker (torch, ckptstore, the
+methods) once: each row starts with no state, allocation or thread of another row, as in a new
+interpreter, without paying torch's import per row."""
+ROWS.set_forkserver_preload(["bench_worker"])
+
+
+def _row_process(spec_path: str, result_path: str, env: dict[str, str], log_path: str) -> None:
+    """One row (bench_worker.py), with ``env`` as its environment and its output in a log."""
+    os.environ.clear()
+    os.environ.update(env)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    import bench_worker
+
+    sys.exit(bench_worker.main(spec_path, result_path))
+
+
 def run_row(spec: Spec, env: dict[str, str], scratch: Path, timeout: float) -> dict[str, Any]:
     spec_path, result_path = scratch / "spec.json", scratch / "result.json"
     spec_path.write_text(json.dumps(asdict(spec)))
     result_path.unlink(missing_ok=True)
     log_path = scratch / f"{_slug(spec.target + '-' + spec.row)}.log"
-    command = [sys.executable, str(HERE / "bench_worker.py"), str(spec_path), str(result_path)]
-    with open(log_path, "w") as log:
-        try:
-            proc = subprocess.run(command, env=env, stdout=log, stderr=log, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
-    if proc.returncode != 0 or not result_path.exists():
+    args = (str(spec_path), str(result_path), env, str(log_path))
+    proc = ROWS.Process(target=_row_process, args=args, name=f"bench-{spec.row}")
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+    if proc.exitcode != 0 or not result_path.exists():
         tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]
-        return {"ok": False, "error": f"worker exited {proc.returncode}: {tail[0][:200]}"}
+        return {"ok": False, "error": f"worker exited {proc.exitcode}: {tail[0][:200]}"}
     result: dict[str, Any] = json.loads(result_path.read_text())
     return result
 

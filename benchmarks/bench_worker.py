@@ -1,4 +1,5 @@
-"""One table row, measured in a fresh process: ``bench_worker.py SPEC.json RESULT.json``.
+"""One table row, measured in a fresh process: forked by bench.py, or run by hand as
+``bench_worker.py SPEC.json RESULT.json``.
 
 A fresh process per row keeps rows from sharing allocator state, page cache warm-up or
 threads, and makes the peak RSS a property of one method. The state is built here, from the
