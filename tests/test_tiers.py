@@ -18,7 +18,6 @@ from ckptstore import CheckpointStore, ConfigError
 from ckptstore.backends.base import Backend, Chunk
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.cli.main import run as cli_run
-from ckptstore.tiered import TieredStore
 from faults import FaultyBackend, InjectedFault
 from keys import file_key
 
@@ -49,13 +48,11 @@ def test_saves_land_locally_and_due_steps_reach_the_store(
     uri, options = durable
     local = tmp_path / "local"
     store = CheckpointStore(uri, storage_options=options, local=str(local), persist_every=2)
-    assert isinstance(store, TieredStore)
     for step in range(1, 6):
         info = store.save(step, state(step))
         assert info.uri.startswith(str(local))  # committed in the local tier
     store.wait()
     assert durable_steps(uri, options) == [2, 4]
-    store.local.prune()  # local retention, as the next save would apply it
     tiers = {i.step: i.tier for i in store.list()}
     assert tiers == {2: "durable", 4: "local+durable", 5: "local"}  # local keeps the last 2
     loaded = store.load(with_info=True)
@@ -109,8 +106,9 @@ def test_local_retention_never_drops_a_step_before_it_is_durable(tmp_path: Path)
     gate.open.set()
     store.wait()
     assert durable_steps(uri, {}) == [1, 2, 3, 4]
-    store.local.prune()
-    assert [i.step for i in store.local.list()] == [4]  # once durable, local retention applies
+    with CheckpointStore(str(tmp_path / "local"), lease=False) as local_tier:
+        # once durable, local retention applies (it ran after each copy)
+        assert [i.step for i in local_tier.list()] == [4]
     store.close()
 
 
@@ -127,11 +125,13 @@ def test_a_copy_killed_half_way_resumes_when_the_store_is_opened_again(
             store.wait()
         assert durable_steps(uri, options) == []  # nothing half-committed
         assert {i.step: i.tier for i in store.list()} == {1: "local"}
-        # the process dies here: no close, no final copy
+        # the process dies here: no close, no final copy; the next run resumes and saves
         again = CheckpointStore(uri, storage_options=options, local=local, lease=False)
+        assert again.load(with_info=True).step == 1  # from the local tier
+        again.save(2, state(2))
         again.wait()
-        assert durable_steps(uri, options) == [1]
-        assert same(CheckpointStore(uri, storage_options=options, lease=False).load(), state(1))
+        assert durable_steps(uri, options) == [1, 2]
+        assert same(CheckpointStore(uri, storage_options=options, lease=False).load(1), state(1))
         again.close()
 
 
@@ -158,8 +158,9 @@ def test_a_corrupt_local_copy_falls_back_to_the_durable_copy_of_the_same_step(
     with CheckpointStore(uri, storage_options=options, local=str(local)) as store:
         for step in (1, 2):
             store.save(step, state(step))
-        largest = max(store.local.info(2).files, key=lambda f: f.size).path
-        path = local / file_key(store.local, 2, largest)
+    with CheckpointStore(str(local), lease=False) as local_tier:
+        largest = max(local_tier.info(2).files, key=lambda f: f.size).path
+        path = local / file_key(local_tier, 2, largest)
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x10
     path.write_bytes(bytes(data))

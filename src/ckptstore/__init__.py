@@ -31,7 +31,6 @@ from ckptstore.retention import (
     StepRecord,
 )
 from ckptstore.store import CheckpointStore
-from ckptstore.tiered import TieredStore
 
 __all__ = [
     "AccessDeniedError",
@@ -61,7 +60,6 @@ __all__ = [
     "SerializationError",
     "StepBehindLatestError",
     "StepRecord",
-    "TieredStore",
     "UnsafeLoadError",
     "UntrustedCheckpointError",
     "VerifyReport",

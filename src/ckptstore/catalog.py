@@ -260,8 +260,13 @@ class Catalog:
 
     def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
         """One payload file of a committed step by its path in the step, verified."""
+        return self.read_verified(info.step, self.entry(info, path))
+
+    @staticmethod
+    def entry(info: CheckpointInfo, path: str) -> FileEntry:
+        """The manifest entry of ``path`` in ``info``'s step; NotFoundError if it has none."""
         try:
-            entry = info.manifest.file(path)
+            return info.manifest.file(path)
         except KeyError as e:
             raise NotFoundError(
                 f"{info.uri} has no file {path!r} in its manifest",
@@ -269,7 +274,6 @@ class Catalog:
                 step=info.step,
                 path=layout.step_dir(info.step),
             ) from e
-        return self.read_verified(info.step, entry)
 
     def payload_sizes(self, step: int) -> dict[str, int]:
         return payload_sizes(self.backend, step)

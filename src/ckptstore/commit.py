@@ -99,8 +99,12 @@ class Committer:
         writer: str,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
+        faster_tiers: tuple[Catalog, ...] = (),
     ) -> None:
         self.catalog = catalog
+        self.faster_tiers = faster_tiers
+        """The store's tiers in front of this one (tiers.py): a takeover's fence admits the
+        steps committed there too."""
         self.backend: Backend = catalog.backend
         self.signer = catalog.signer
         self.remover = remover
@@ -322,7 +326,9 @@ class Committer:
 
         The fence stands at the newest step committed now, found by listing, not at the
         pointer's: an older holder killed between its commit and moving ``latest`` committed
-        that step while it held the lease, and fencing it would make ``latest`` go back.
+        that step while it held the lease, and fencing it would make ``latest`` go back. The
+        same holds for a step committed in a faster tier of the store and not yet persisted
+        (tiers.py): the new holder persists it as the store's own.
         """
         newest = self._newest_committed()
 
@@ -342,10 +348,15 @@ class Committer:
         )
 
     def _newest_committed(self) -> int | None:
-        for step in reversed(self.catalog.step_dirs()):
-            if self.catalog.state_of(step, fresh=True).committed:
-                return step
-        return None
+        newest = None
+        for catalog in (self.catalog, *self.faster_tiers):
+            for step in reversed(catalog.step_dirs()):
+                if newest is not None and step <= newest:
+                    break
+                if catalog.state_of(step, fresh=True).committed:
+                    newest = step
+                    break
+        return newest
 
     def _decode_pointer(self, data: bytes | None, doing: str) -> Pointer | None:
         if data is None:

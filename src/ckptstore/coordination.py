@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptstore import layout
-from ckptstore.catalog import Catalog, StepState
+from ckptstore.catalog import Catalog
 from ckptstore.commit import Committer, Previous
 from ckptstore.deadline import cleanup_time, within
 from ckptstore.errors import (
@@ -70,7 +70,11 @@ class Saver(Protocol):
     def uri(self) -> str: ...
 
     def latest_step(self) -> int | None:
-        """The step a save must not fall behind (saving.py)."""
+        """The step a save must not fall behind, in any tier of the store (saving.py)."""
+        ...
+
+    def holds(self, step: int) -> bool:
+        """Whether a tier of the store holds ``step`` committed and readable (saving.py)."""
         ...
 
     def drain(self) -> None:
@@ -135,6 +139,10 @@ class Staged:
     participant: int | str
     entries: tuple[FileEntry, ...] = ()
     error: str | None = None
+    tier: str | None = None
+    """Where the files were staged when that is not the coordinator's store: the URI of the
+    participant's node-local tier (tiers.py). The coordinator confirms only the files staged
+    where it can see them; each participant saw its own written whole."""
 
     @classmethod
     def of(cls, participant: int | str, stage: Callable[[], Iterable[FileEntry]]) -> Staged:
@@ -231,8 +239,10 @@ class Coordinator:
             self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
             raise self._failed(failures, NOT_SAVED)
         entries = [e for r in reports for e in r.entries]
+        here = self.saver.uri
+        seen = [e for r in reports if r.tier in (None, here) for e in r.entries]
         try:
-            return self.commit(entries, world_size=world_size)
+            return self.commit(entries, world_size=world_size, confirm=seen)
         except Exception as e:
             log.exception("%s could not commit step %d", _label(coordinator), self.step)
             what = self._what_became(_label(coordinator))
@@ -246,19 +256,20 @@ class Coordinator:
         files_by_key: Mapping[str, tuple[str, ...]] | None = None,
         blocked: float = 0.0,
         abandon: Abandon | None = None,
+        confirm: Iterable[FileEntry] | None = None,
     ) -> CheckpointInfo:
-        """Step 3 with the entries in hand: confirm them, write the manifest, move
-        ``latest``, apply retention. Before the manifest, a failure removes the staged files
-        and is raised as it came."""
+        """Step 3 with the entries in hand: confirm them (those of ``confirm``, when only
+        they were staged where this store sees them), write the manifest, move ``latest``,
+        apply retention. Before the manifest, a failure removes the staged files and is
+        raised as it came."""
         saver = self.saver
         entries = tuple(entries)
         environment = saver.environment()
         if world_size is not None:
             environment = replace(environment, world_size=world_size)
-        try:
-            saver.committer.confirm_payload(self.step, entries)
-            epoch = saver.hold_lease()  # renewing is the fence check: right before the commit
-            manifest = Manifest(
+
+        def manifest(epoch: int) -> Manifest:
+            return Manifest(
                 step=self.step,
                 created=saver.clock(),
                 kind=self.kind,
@@ -269,6 +280,27 @@ class Coordinator:
                 lease_epoch=epoch,
                 files_by_key=dict(files_by_key) if files_by_key is not None else None,
             )
+
+        seen = entries if confirm is None else tuple(confirm)
+        return self.publish(entries, manifest, blocked=blocked, abandon=abandon, confirm=seen)
+
+    def publish(
+        self,
+        entries: tuple[FileEntry, ...],
+        manifest_under: Callable[[int], Manifest],
+        *,
+        blocked: float = 0.0,
+        abandon: Abandon | None = None,
+        confirm: tuple[FileEntry, ...] | None = None,
+    ) -> CheckpointInfo:
+        """Confirm ``entries`` (or ``confirm``), renew the lease (the fence check, right
+        before the commit), write ``manifest_under(epoch)`` create-only, move ``latest``,
+        apply retention."""
+        saver = self.saver
+        try:
+            saver.committer.confirm_payload(self.step, entries if confirm is None else confirm)
+            epoch = saver.hold_lease()
+            manifest = manifest_under(epoch)
             if abandon is not None:
                 abandon.check()
             manifest = saver.committer.commit(manifest)
@@ -315,7 +347,7 @@ def check_not_behind(saver: Saver, step: int, latest: int | None) -> None:
     ``advance_latest`` repairs it. A guard against mistakes, not a lock."""
     if latest is None or step >= latest:
         return
-    if saver.catalog.state_of(latest, fresh=True) is not StepState.COMMITTED:
+    if not saver.holds(latest):
         return  # a pointer at a step deleted or unreadable: a resume fell back past it
     raise StepBehindLatestError(
         f"{saver.uri}: refusing to save step {step}: latest is step {latest}, so step "
@@ -394,3 +426,62 @@ def _ordered(failures: Mapping[int | str, str]) -> list[tuple[int | str, str]]:
         return (isinstance(who, str), who if isinstance(who, int) else 0, str(who))
 
     return sorted(failures.items(), key=key)
+
+
+def persist(
+    saver: Saver, manifest: Manifest, copy: Callable[[int, Sequence[FileEntry]], None]
+) -> CheckpointInfo:
+    """Commit ``manifest``, a step committed in a faster tier of the same store, verbatim in
+    ``saver``'s tier (tiers.py): the coordinated save of one participant whose staging is
+    ``copy(step, files)`` of the files not there yet, by the save's deadline. The same
+    sequence as every save: the writer lease, attempt markers, the files, the fence check, the
+    manifest create-only, ``latest`` forward only, retention. A step already committed there
+    with the same files (a kill after the commit) is done; with other files, a ConflictError.
+    A failure before the manifest removes what was copied."""
+    step = manifest.step
+    with within(saver.save_timeout):
+        epoch = saver.ensure_lease()
+        held = _committed_manifest(saver, step)
+        if held is not None:
+            return _persisted_before(saver, held, manifest)
+        plan = Plan(step, manifest.kind, epoch, Previous(None), secrets.token_hex(8))
+        coordinator = Coordinator(saver, step, manifest.kind, plan, dict(manifest.metadata))
+        attempts = sorted({f.attempt for f in manifest.files if f.attempt is not None})
+        present = saver.catalog.payload_sizes(step)
+        try:
+            for attempt in attempts:  # the markers say whose files these are (garbage.py)
+                saver.committer.begin_attempt(step, epoch, attempt, save=plan.save)
+            copy(step, [f for f in manifest.files if present.get(f.key(step)) != f.size])
+        except BaseException:
+            coordinator.discard(attempts)
+            raise
+        try:
+            return coordinator.publish(manifest.files, lambda _: manifest)
+        except ConflictError:
+            held = _committed_manifest(saver, step)  # a rival persisted it meanwhile?
+            if held is None:
+                raise
+            return _persisted_before(saver, held, manifest)
+
+
+def _committed_manifest(saver: Saver, step: int) -> Manifest | None:
+    if not saver.catalog.state_of(step, fresh=True).committed:
+        return None
+    return saver.catalog.read_manifest(step)
+
+
+def _persisted_before(saver: Saver, held: Manifest, wanted: Manifest) -> CheckpointInfo:
+    """``wanted``'s step is committed in ``saver``'s tier already: done if with the same
+    files (``latest`` still moves forward to it), else a ConflictError."""
+    step = wanted.step
+    if held.files != wanted.files:
+        raise ConflictError(
+            f"step {step} is committed in {saver.uri} with other files than the local tier's; "
+            "committed steps are immutable, so the local copy cannot be persisted. Remove one "
+            f"of them (ckptstore rm {saver.uri} {step}) or keep saving later steps",
+            uri=saver.catalog.uri(layout.step_dir(step)),
+            path=layout.step_dir(step),
+            step=step,
+        )
+    saver.advance_latest(step, epoch=saver.hold_lease(), newest_before=None)
+    return saver.catalog.info_of(held)

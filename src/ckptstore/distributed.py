@@ -54,11 +54,13 @@ from ckptstore.errors import (
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry
 from ckptstore.payload import SourceFile
+from ckptstore.peers import recover_from_peer, send_to_peer
 from ckptstore.resolver import VERIFY_ERRORS, Search
 from ckptstore.serialize import SKELETON_FILE, decode_state, encode_state
 
 if TYPE_CHECKING:
     from ckptstore.store import CheckpointStore
+    from ckptstore.tiers import Persister
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -134,6 +136,19 @@ class Collectives:
         dist.gather_object(obj, out, dst=self.root, group=self.group)
         return out
 
+    def send(self, obj: object, to: int) -> None:
+        """Send ``obj`` to group rank ``to`` (it calls :meth:`receive`)."""
+        dist.send_object_list([obj], dst=self._global(to), group=self.group)
+
+    def receive(self, source: int) -> Any:
+        """What group rank ``source`` sends this rank."""
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=self._global(source), group=self.group)
+        return box[0]
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
     def all_gather(self, obj: T) -> list[T]:
         """Every rank's ``obj``, in rank order, on every rank."""
         if not self.active or self.size == 1:
@@ -206,28 +221,43 @@ def _save(
             {0: describe(plan)},
             **_step_context(store.uri, step),
         ) from plan
-    # 2. Every rank stages its own files; the entries (or the error) go to rank 0.
+    # 2. Every rank stages its own files (in its node's local tier, if the store has one,
+    # and a copy in the next rank's: peers.py); the entries (or the error) go to rank 0.
     local_error: Exception | None = None
     try:
-        report = Staged(comm.rank, tuple(_stage(store, plan, state, comm.rank, allow_pickle)))
+        staged = tuple(_stage(store, plan, state, comm.rank, allow_pickle))
+        report = Staged(comm.rank, staged, tier=store.tiers.local.uri if store.tiers else None)
     except Exception as e:
         local_error, report = e, Staged.failure(comm.rank, e)
+    tiers = store.tiers
+    if tiers is not None and store.options.replicas:
+        try:
+            send_to_peer(comm, tiers, step, report.entries)
+        except CheckpointError as e:
+            local_error, report = e, Staged.failure(comm.rank, e)
     try:
         reports = comm.gather(report)
     except RuntimeError:
         if coordinator is not None:
             coordinator.discard()
         raise
-    # 3. Rank 0 commits, or discards; everyone learns which.
+    # 3. Rank 0 commits, or discards; everyone learns which, and whether the step is due
+    # for the durable tier: each node then commits it in its local tier too (tiers.py).
     outcome: CheckpointInfo | CheckpointError | None = None
+    due = False
     if coordinator is not None and reports is not None:
         try:
             outcome = coordinator.conclude(reports, world_size=comm.size, coordinator=0)
+            due = tiers is not None and tiers.due(step)
         except CheckpointError as e:
             outcome = e
-    outcome = comm.broadcast(outcome)
+    outcome, due = comm.broadcast((outcome, due))
     if isinstance(outcome, CheckpointInfo):
+        if tiers is not None and comm.rank != 0:
+            tiers.join(outcome.manifest, [e.path for e in report.entries], due=due)
         return outcome
+    if tiers is not None and comm.rank != 0:  # rank 0 discarded what it sees, not this node
+        tiers.local.remover.discard_attempts(step, {e.attempt for e in report.entries if e.attempt})
     if outcome is None:  # unreachable: rank 0 always sends one
         outcome = CheckpointError(f"step {step}: rank 0 sent no outcome")
     raise outcome from local_error
@@ -277,7 +307,11 @@ def load_distributed(
     ``store.load`` does). ``store.last_loaded`` tells which step was loaded.
     """
     comm = Collectives(group)
-    search = store.resolver.search(step, fallback=fallback) if comm.rank == 0 else None
+    tiers = store.tiers
+    also: list[CheckpointInfo] = []
+    if tiers is not None:  # a node that kept a newer step than rank 0's offers it too
+        also = [i for i in comm.all_gather(_newest_here(store, tiers)) if i is not None]
+    search = store.resolver.search(step, fallback=fallback, also=also) if comm.rank == 0 else None
     while True:
         offer: CheckpointInfo | CheckpointError | None = None
         if search is not None:
@@ -290,6 +324,8 @@ def load_distributed(
         local_error: Exception | None = None
         status: tuple[str, str] | None = None
         try:
+            if tiers is not None and store.options.replicas:
+                recover_from_peer(comm, tiers, offer, _paths_of(offer, comm.rank))
             state = _read_rank(store, offer, comm.rank, allow_pickle)
         except VERIFY_ERRORS as e:
             local_error, status = e, ("corrupt", describe(e))
@@ -299,6 +335,8 @@ def load_distributed(
         bad = {r: s for r, s in enumerate(statuses) if s is not None}
         if not bad:
             store.last_loaded = offer
+            if tiers is not None:  # this node's local tier holds the step whole again
+                tiers.hold(offer.manifest)
             return state
         listed = "; ".join(f"rank {r}: {text}" for r, (_, text) in sorted(bad.items()))
         if any(kind == "error" for kind, _ in bad.values()):
@@ -347,10 +385,26 @@ def check_layout(info: CheckpointInfo, world_size: int) -> None:
         )
 
 
-def _read_rank(store: CheckpointStore, info: CheckpointInfo, rank: int, allow_pickle: bool) -> Any:
-    """Read and verify this rank's files (several at once), then decode them."""
+def _paths_of(info: CheckpointInfo, rank: int) -> list[str]:
+    """The paths of ``rank``'s files in a step of ``save_distributed``."""
     prefix = rank_dir(rank) + "/"
-    mine = [f.path for f in info.files if f.path.startswith(prefix)]
+    return [f.path for f in info.files if f.path.startswith(prefix)]
+
+
+def _newest_here(store: CheckpointStore, tiers: Persister) -> CheckpointInfo | None:
+    """The newest step this node's local tier holds (None if none, or unreadable)."""
+    try:
+        return store.resolver.latest_in(tiers.local.catalog)
+    except CheckpointError as e:
+        log.warning("%s: the local tier offers no step: %s", tiers.local.uri, e)
+        return None
+
+
+def _read_rank(store: CheckpointStore, info: CheckpointInfo, rank: int, allow_pickle: bool) -> Any:
+    """Read and verify this rank's files (several at once; with a local tier, the local
+    copies where good), then decode them."""
+    prefix = rank_dir(rank) + "/"
+    mine = _paths_of(info, rank)
 
     def read(path: str) -> memoryview:
         return store.read_file(info, path)

@@ -72,6 +72,9 @@ class StoreOptions:
     """Copy every this many saves to the store (default: every save)."""
     persist_interval_seconds: float | None = None
     """Copy a save to the store once this many seconds passed since the last copy."""
+    replicas: int = 0
+    """Copies of each rank's local files kept in the local tier of the next rank's node
+    (``save_distributed``), so a lost node resumes from its peer, not the bucket (peers.py)."""
     spelling: InitVar[Spelling] = PYTHON
 
     def __post_init__(self, spelling: Spelling) -> None:
@@ -131,9 +134,13 @@ class StoreOptions:
             )
 
     def _check_tiers(self, name: Spelling) -> None:
+        replicas = self.replicas
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas not in (0, 1):
+            raise ConfigError(f"{name('replicas')} must be 0 or 1 (peer copies), got {replicas!r}")
         tiered = ("local_keep_last", "persist_every", "persist_interval_seconds")
         if self.local is None:
             given = [name(k) for k in tiered if getattr(self, k) is not None]
+            given += [name("replicas")] if replicas else []
             if given:
                 raise ConfigError(
                     f"{', '.join(given)} only apply with {name('local')}, the local tier in "

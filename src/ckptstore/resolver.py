@@ -15,6 +15,10 @@ module, so each rule below is written once:
   fail raises, counting the refused steps and saying why, so no job restarts from step 0
   because of a wrong key or a corrupt bucket.
 
+* A store with a local tier (tiers.py) is resolved as one: the newest step either tier holds,
+  the local copy of a step before the durable copy, and the durable copy of a step that
+  failed locally before any older step. Fences are the durable pointer's, for both tiers.
+
 A :class:`Search` is one resolution's candidates and failures. ``resolve`` runs it in this
 process; a multi-rank load runs the same Search on its coordinator and reports every rank's
 verdict on each offered step back into it (distributed.py).
@@ -25,7 +29,7 @@ from __future__ import annotations
 import builtins
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from ckptstore import layout
@@ -43,6 +47,8 @@ from ckptstore.pointer import Pointer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+LOCAL, DURABLE = "local", "durable"
+"""The tier a step was found in (``CheckpointInfo.tier``), in a store with a local tier."""
 
 VERIFY_ERRORS = (CorruptCheckpointError, IncompleteCheckpointError)
 """What makes a step fall back to an older one (UntrustedCheckpointError is a corruption)."""
@@ -59,61 +65,107 @@ class Resolved(Generic[T]):
 
 
 class Resolver:
-    """Chooses steps to load from one store's catalog."""
+    """Chooses steps to load from one store's catalogs: its durable tier's, and those of the
+    tiers in front of it (tiers.py)."""
 
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(self, catalog: Catalog, *, faster: Sequence[Catalog] = ()) -> None:
         self.catalog = catalog
+        """The durable tier: its pointer's fences rule every tier."""
+        self.faster = tuple(faster)
+        """Tiers in front of it, fastest first (a local tier)."""
 
     @property
     def uri(self) -> str:
         return self.catalog.backend.uri
 
+    @property
+    def tiers(self) -> tuple[Catalog, ...]:
+        return (*self.faster, self.catalog)
+
+    def _tagged(self, info: CheckpointInfo, catalog: Catalog) -> CheckpointInfo:
+        """``info`` with the tier it was found in, in a store that has tiers."""
+        if not self.faster:
+            return info
+        return replace(info, tier=DURABLE if catalog is self.catalog else LOCAL)
+
+    def _fences(self, catalog: Catalog, own: Pointer | None) -> Pointer | None:
+        """The pointer whose fences judge ``catalog``'s steps: the durable tier's."""
+        return own if catalog is self.catalog else self.catalog.pointer_or_none()
+
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed step a resume may start from (module docstring); ``None``
-        only when the store holds no committed step at all."""
+        """The newest committed step a resume may start from, in any tier (module
+        docstring); ``None`` only when no tier holds a committed step at all."""
+        best: CheckpointInfo | None = None
+        refused: CheckpointError | None = None
+        for catalog in self.tiers:
+            try:
+                info = self.latest_in(catalog)
+            except CompatibilityError:
+                raise
+            except CorruptCheckpointError as e:
+                if not self.faster:
+                    raise
+                refused = refused or e  # another tier may still hold good steps
+                continue
+            if info is not None and (best is None or info.step > best.step):
+                best = info
+        if best is None and refused is not None:
+            raise refused
+        return best
+
+    def latest_in(self, catalog: Catalog) -> CheckpointInfo | None:
+        """The newest committed step of one tier, judged by the durable pointer's fences."""
         pointer = None
         try:
-            pointer, _ = self.catalog.read_pointer()
+            pointer, _ = catalog.read_pointer()
             if pointer is not None and pointer.step is not None:
-                newer = self.committed_after(pointer)
-                return newer or self.catalog.info(pointer.step)
+                newer = self.committed_after(pointer, catalog=catalog)
+                return self._tagged(newer or catalog.info(pointer.step), catalog)
         except (NotFoundError, CorruptCheckpointError) as e:
-            log.warning("%s: latest pointer is unusable (%s); falling back to listing", self.uri, e)
-        committed, broken = self.catalog.scan()
-        infos = [self.catalog.info_of(m) for m in committed]
-        readable = [i for i in infos if not fenced(pointer, i)]
+            log.warning(
+                "%s: latest pointer is unusable (%s); falling back to listing", catalog.uri(""), e
+            )
+        fences = self._fences(catalog, pointer)
+        committed, broken = catalog.scan()
+        infos = [catalog.info_of(m) for m in committed]
+        readable = [i for i in infos if not fenced(fences, i)]
         newest = readable[-1].step if readable else -1
         self._refuse_newer_schema({s: e for s, e in broken.items() if s > newest})
         for step, error in broken.items():
             log.warning("step %d has an unreadable manifest: %s", step, error)
         if not readable and broken:
-            raise refusal(self.uri, broken, fenced_count=len(infos))
+            raise refusal(catalog.uri(""), broken, fenced_count=len(infos))
         if readable and pointer is None:
             log.warning(
                 "%s: no %s, but committed steps exist; using the newest, %d",
-                self.uri,
+                catalog.uri(""),
                 layout.LATEST_NAME,
                 newest,
             )
-        return readable[-1] if readable else None
+        return self._tagged(readable[-1], catalog) if readable else None
 
-    def committed_after(self, pointer: Pointer | None) -> CheckpointInfo | None:
+    def committed_after(
+        self, pointer: Pointer | None, *, catalog: Catalog | None = None
+    ) -> CheckpointInfo | None:
         """The newest committed step past the pointer's (any, without one), if any: a writer
-        killed between its commit and moving the pointer (one listing)."""
+        killed between its commit and moving the pointer (one listing of ``catalog``, by
+        default the durable tier's)."""
+        catalog = catalog if catalog is not None else self.catalog
+        fences = self._fences(catalog, pointer)
         step = pointer.step if pointer is not None and pointer.step is not None else -1
-        for newer in reversed([s for s in self.catalog.step_dirs() if s > step]):
+        for newer in reversed([s for s in catalog.step_dirs() if s > step]):
             try:
-                info = self.catalog.info(newer)
+                info = catalog.info(newer)
             except NotFoundError:
                 continue  # a save in flight, or garbage for gc
             except CorruptCheckpointError as e:  # CompatibilityError is raised: never skipped
                 log.warning("step %d has an unreadable manifest: %s", newer, e)
                 continue
-            if fenced(pointer, info):
+            if fenced(fences, info):
                 log.warning(
                     "%s: step %d was committed by %s after it lost the writer lease (epoch "
                     "%d); ignoring it (ckptstore rm removes it)",
-                    self.uri,
+                    catalog.uri(""),
                     newer,
                     info.manifest.writer,
                     info.manifest.lease_epoch,
@@ -122,7 +174,7 @@ class Resolver:
             log.warning(
                 "%s: %s is at step %d, but step %d is committed (its writer stopped before "
                 "moving the pointer); using %d",
-                self.uri,
+                catalog.uri(""),
                 layout.LATEST_NAME,
                 step,
                 newer,
@@ -136,12 +188,42 @@ class Resolver:
         if newest:
             raise newest[-1]
 
+    def info(self, step: int) -> CheckpointInfo:
+        """``step``'s info from the fastest tier that holds it committed; NotFoundError
+        (the durable tier's) when none does."""
+        return self.copies(step)[0]
+
+    def copies(self, step: int) -> builtins.list[CheckpointInfo]:
+        """``step`` as each tier holds it, fastest first; NotFoundError when none does."""
+        found: builtins.list[CheckpointInfo] = []
+        missing: NotFoundError | None = None
+        for catalog in self.tiers:
+            try:
+                found.append(self._tagged(catalog.info(step), catalog))
+            except NotFoundError as e:
+                missing = e
+            except CorruptCheckpointError as e:
+                if not self.faster:
+                    raise
+                log.warning("%s; trying the next tier", e)
+        if not found:
+            assert missing is not None
+            raise missing
+        return found
+
     def search(
-        self, step: int | None = None, *, fallback: bool = True, newer_than: int | None = None
+        self,
+        step: int | None = None,
+        *,
+        fallback: bool = True,
+        newer_than: int | None = None,
+        also: Sequence[CheckpointInfo] = (),
     ) -> Search:
         """The candidates for loading ``step`` (one), or latest then, with ``fallback``, the
-        older good steps; only steps above ``newer_than`` when given."""
-        return Search(self, step, fallback=fallback, newer_than=newer_than)
+        older good steps; only steps above ``newer_than`` when given. Each step is offered
+        once per tier that holds it, fastest first. ``also``: steps other nodes' local tiers
+        hold (distributed.py), offered first when newer than latest and not fenced."""
+        return Search(self, step, fallback=fallback, newer_than=newer_than, also=also)
 
     def resolve(
         self,
@@ -156,20 +238,27 @@ class Resolver:
         search = self.search(step, fallback=fallback, newer_than=newer_than)
         while (info := search.next()) is not None:
             try:
-                return Resolved(info, action(info), search.skipped)
+                return Resolved(info, action(info), search.skipped_before(info))
             except VERIFY_ERRORS as e:
                 search.failed(info, e)
         raise search.exhausted()
 
-    def older(self, than: int, pointer: Pointer | None) -> Iterator[CheckpointInfo]:
-        """Committed steps before ``than``, newest first, without fenced ones."""
-        for info in reversed(self.catalog.list()):
-            if info.step < than and not fenced(pointer, info):
-                yield info
+    def older(self, than: int) -> Iterator[CheckpointInfo]:
+        """Committed steps before ``than``, newest first (each tier's copy, fastest first),
+        without fenced ones."""
+        fences = self.catalog.pointer_or_none()
+        found = [
+            (info.step, index, self._tagged(info, catalog))
+            for index, catalog in enumerate(self.tiers)
+            for info in catalog.list()
+            if info.step < than and not fenced(fences, info)
+        ]
+        for _, _, info in sorted(found, key=lambda f: (-f[0], f[1])):
+            yield info
 
     def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
-        """Committed steps (of ``infos``, default all) that a writer committed after it lost
-        the writer lease."""
+        """Committed steps (of ``infos``, default all of the durable tier) that a writer
+        committed after it lost the writer lease."""
         pointer = self.catalog.pointer_or_none()
         chosen = self.catalog.list() if infos is None else infos
         return [i.step for i in chosen if fenced(pointer, i)]
@@ -179,9 +268,16 @@ class Search:
     """One resolution: candidates newest first, read only once needed, and what failed."""
 
     def __init__(
-        self, resolver: Resolver, step: int | None, *, fallback: bool, newer_than: int | None
+        self,
+        resolver: Resolver,
+        step: int | None,
+        *,
+        fallback: bool,
+        newer_than: int | None,
+        also: Sequence[CheckpointInfo] = (),
     ) -> None:
         self.resolver = resolver
+        self.also = tuple(also)
         self.explicit = step is not None
         self.fallback = fallback and step is None
         self.newer_than = newer_than
@@ -190,28 +286,43 @@ class Search:
         self._offered = 0
 
     def _generate(self, step: int | None) -> Iterator[CheckpointInfo]:
-        catalog = self.resolver.catalog
+        resolver = self.resolver
         if step is not None:
-            yield catalog.info(layout.check_step(step))
+            yield from resolver.copies(layout.check_step(step))
             return
-        latest = self.resolver.latest()
+        latest = resolver.latest()
+        yield from self._elsewhere(latest)
         if latest is None or not self._wanted(latest.step):
             return
         yield latest
+        if resolver.faster:  # the same step in the other tiers, before any older step
+            yield from (i for i in resolver.copies(latest.step) if i.tier != latest.tier)
         if self.fallback:
-            pointer = catalog.pointer_or_none()
-            for info in self.resolver.older(latest.step, pointer):
+            for info in resolver.older(latest.step):
                 if not self._wanted(info.step):
                     return
                 yield info
+
+    def _elsewhere(self, latest: CheckpointInfo | None) -> Iterator[CheckpointInfo]:
+        """Steps of ``also`` newer than ``latest``, newest first, one each, fenced ones
+        left out."""
+        fences = self.resolver.catalog.pointer_or_none() if self.also else None
+        newer = {
+            i.step: i
+            for i in self.also
+            if (latest is None or i.step > latest.step) and not fenced(fences, i)
+        }
+        for step in sorted(newer, reverse=True):
+            if self._wanted(step):
+                yield newer[step]
 
     def _wanted(self, step: int) -> bool:
         return self.newer_than is None or step > self.newer_than
 
     def next(self) -> CheckpointInfo | None:
-        """The next step to try; None when no candidate is left (then :meth:`exhausted`)."""
-        if self._failures and not self.fallback:
-            return None
+        """The next step to try; None when no candidate is left (then :meth:`exhausted`).
+        Without fallback, only other tiers' copies of the one step are left after a
+        failure."""
         info = next(self._candidates, None)
         if info is not None:
             self._offered += 1
@@ -221,13 +332,21 @@ class Search:
         """``info`` failed verification; the search goes on with an older step (or, without
         fallback, ends with this error)."""
         self._failures[info.step] = error
-        if self.fallback:
+        if self.resolver.faster:
+            log.warning("step %d failed verification in %s (%s); trying the next copy",
+                        info.step, info.uri, error)  # fmt: skip
+        elif self.fallback:
             log.warning("step %d failed verification (%s); trying an older step", info.step, error)
 
     @property
     def skipped(self) -> tuple[int, ...]:
         """The steps that failed so far, newest first."""
         return tuple(sorted(self._failures, reverse=True))
+
+    def skipped_before(self, chosen: CheckpointInfo) -> tuple[int, ...]:
+        """The steps that failed, newest first, but ``chosen`` (whose copy in another tier
+        failed, when a later copy loads)."""
+        return tuple(s for s in self.skipped if s != chosen.step)
 
     def exhausted(self) -> CheckpointError:
         """The error that ends a search with no step left: the failure itself for one step;
@@ -289,49 +408,3 @@ def _reason(error: CheckpointError, uri: str) -> str:
     elif text.startswith(f"{uri}/"):
         text = text[len(uri) + 1 :]
     return text.split("; ", 1)[0].split("\n", 1)[0]
-
-
-def resolve_tiers(
-    resolvers: Sequence[Resolver],
-    step: int | None,
-    fallback: bool,
-    action: Callable[[CheckpointInfo, int], T],
-) -> Resolved[T]:
-    """:meth:`Resolver.resolve` over the tiers of one store, fastest first (tiers.py): the
-    newest step any tier holds; a step that fails verification in one tier is tried in the
-    next before any older step. ``action`` gets the step and the index of its tier. A tier
-    whose steps are all refused contributes none (the others may still hold good ones)."""
-    held: dict[int, list[tuple[int, CheckpointInfo]]] = {}
-    refused: list[CheckpointError] = []
-    for index, resolver in enumerate(resolvers):
-        search = resolver.search(step, fallback=fallback)
-        try:
-            while (info := search.next()) is not None:
-                held.setdefault(info.step, []).append((index, info))
-        except NotFoundError:
-            continue  # this tier lacks the step asked for, or is empty
-        except CorruptCheckpointError as e:
-            refused.append(e)
-    failures: dict[int, CheckpointError] = {}
-    for candidate in sorted(held, reverse=True):
-        for index, info in held[candidate]:
-            try:
-                return Resolved(info, action(info, index), tuple(sorted(failures, reverse=True)))
-            except VERIFY_ERRORS as e:
-                log.warning("step %d failed verification in %s (%s); trying the next copy",
-                            candidate, resolvers[index].uri, e)  # fmt: skip
-                failures[candidate] = e
-        if not fallback:
-            break
-    uri = resolvers[-1].uri
-    if failures:
-        raise refusal(uri, failures)
-    if refused:
-        raise refused[0]
-    asked = f" step {step}" if step is not None else " committed step"
-    raise NotFoundError(
-        f"{uri} and its local tier hold no{asked}: nothing to resume from. Check the URIs, or "
-        "save a step first",
-        uri=uri,
-        step=step,
-    )

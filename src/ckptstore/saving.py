@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.background import Abandon
-from ckptstore.catalog import Catalog
+from ckptstore.catalog import Catalog, StepState
 from ckptstore.commit import Committer
 from ckptstore.coordination import Coordinator
 from ckptstore.deadline import within
@@ -30,6 +30,9 @@ from ckptstore.payload import Progress, SourceFile, file_reader
 from ckptstore.removal import Remover
 from ckptstore.resolver import Resolver
 from ckptstore.transfer import scan_dir
+
+if TYPE_CHECKING:
+    from ckptstore.tiers import Persister
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,9 @@ class Saver:
     observer: SaveObserver | None = None
     save_timeout: float | None = None
     """Seconds a save may take (deadline.py); None: no deadline."""
+    tiers: Persister | None = None
+    """Set when this saver commits in the local tier of a store (tiers.py): a save must not
+    fall behind the durable tier's latest either, and each commit is offered for persisting."""
     pointer_trusted: bool = field(default=False, init=False)
     """Whether :meth:`latest_step` may take ``latest.json`` at its word (module docstring)."""
 
@@ -80,7 +86,17 @@ class Saver:
             newer = Resolver(self.catalog).committed_after(pointer)
             step = newer.step if newer is not None else step
             self.pointer_trusted = newer is None
+        if self.tiers is not None:
+            durable = self.tiers.durable_latest()
+            step = durable if step is None or (durable is not None and durable > step) else step
         return step
+
+    def holds(self, step: int) -> bool:
+        """Whether a tier of this store holds ``step`` committed and readable (fresh reads)."""
+        if self.catalog.state_of(step, fresh=True) is StepState.COMMITTED:
+            return True
+        durable = self.tiers.durable.catalog if self.tiers is not None else None
+        return durable is not None and durable.state_of(step, fresh=True) is StepState.COMMITTED
 
     def advance_latest(self, step: int, *, epoch: int, newest_before: int | None) -> None:
         """Move ``latest`` to ``step``, just committed. The pointer is trusted after that only
@@ -207,12 +223,17 @@ class Saver:
                 e.add_context(step=step)  # a timeout from deep in a backend knows no step
             error = e  # bound for the lambda: ruff cannot see that it runs inside this block
             self._observe(lambda o: o.failed(self.uri, step, error))
+            if self.tiers is not None:
+                self.tiers.failed(step)
             raise
 
     def saved(self, stats: SaveStats) -> None:
-        """After a commit moved ``latest``: tell the log and the observer, apply retention."""
+        """After a commit moved ``latest``: tell the log and the observer, offer the step for
+        persisting (a due one is pinned before retention runs), apply retention."""
         log.info("%s: %s", self.uri, stats)
         self._observe(lambda o: o.saved(self.uri, stats))
+        if self.tiers is not None:
+            self.tiers.saved(stats)
         self.retain()
 
     def _observe(self, tell: Callable[[SaveObserver], None]) -> None:

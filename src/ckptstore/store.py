@@ -34,8 +34,9 @@ from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry
 from ckptstore.observer import SaveObserver
 from ckptstore.options import StoreOptions
 from ckptstore.payload import Progress, SourceFile
-from ckptstore.resolver import Resolved
+from ckptstore.resolver import LOCAL, Resolved
 from ckptstore.store_upkeep import StoreUpkeep
+from ckptstore.tiers import Persister, TieredFiles, tier_listing
 from ckptstore.transfer import check_target
 from ckptstore.wiring import assemble
 
@@ -48,16 +49,6 @@ T = TypeVar("T")
 
 class CheckpointStore(StoreUpkeep):
     """Atomic, verified checkpoints under one URI (local path, NFS, ``s3://``, fsspec URL)."""
-
-    tiered: type[CheckpointStore] | None = None
-    """What ``local=`` opens: tiered.py's TieredStore, set when that module is imported."""
-
-    def __new__(cls, uri: str, *, options: StoreOptions | None = None, **kwargs: Any) -> Any:
-        """With ``local=`` (a local tier in front of the store), a TieredStore (tiered.py)."""
-        local = options.local if options is not None else kwargs.get("local")
-        if cls is CheckpointStore and local is not None and cls.tiered is not None:
-            return super().__new__(cls.tiered)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -93,11 +84,12 @@ class CheckpointStore(StoreUpkeep):
         self.writer, self.signer = parts.writer, parts.signer
         (self._catalog, self._remover, self._committer, self._resolver, self._lease,
          self._pruner, self._maintenance, self._replica, self._async, self._saver,
-         self._adopter) = (
+         self._adopter, self._local, self._tiers) = (
             parts.catalog, parts.remover, parts.committer, parts.resolver, parts.lease,
             parts.pruner, parts.maintenance, parts.replica, parts.in_flight, parts.saver,
-            parts.adopter,
+            parts.adopter, parts.local, parts.persister,
         )  # fmt: skip
+        self._files = TieredFiles(self._resolver.tiers)
         _refuse_step_directory(uri, self._catalog)
         self.last_loaded: CheckpointInfo | None = None
         """The step the last ``load`` returned (it may fall back past a corrupt latest)."""
@@ -107,7 +99,8 @@ class CheckpointStore(StoreUpkeep):
                 self._lease.hold()  # fence the old holder now, before this job loads anything
 
     def __repr__(self) -> str:
-        return f"CheckpointStore({self.uri!r}, retention={self.retention})"
+        local = f", local={self._local.uri!r}" if self._local is not None else ""
+        return f"CheckpointStore({self.uri!r}{local}, retention={self.retention})"
 
     def __enter__(self) -> CheckpointStore:
         return self
@@ -116,16 +109,27 @@ class CheckpointStore(StoreUpkeep):
         self.close()
 
     def close(self) -> None:
-        """Flush the save in flight (raising its error), release the writer lease (so the
-        next job writes without ``takeover``), then the backend."""
+        """Flush the save in flight (raising its error); with a local tier, make the last
+        step durable and wait for every copy (raising a failure no later durable step
+        superseded: tiers.py); release the writer lease (so the next job writes without
+        ``takeover``), then the backends."""
         try:
             self._async.close()
+            if self._tiers is not None:
+                self._tiers.close()
         finally:
             try:
                 if self._lease is not None:
                     self._lease.release()
             finally:
                 self.backend.close()
+                if self._local is not None:
+                    self._local.catalog.backend.close()
+
+    @property
+    def tiers(self) -> Persister | None:
+        """With a local tier, what multi-rank faces join each step through (tiers.py)."""
+        return self._tiers
 
     @property
     def shard_size(self) -> int:
@@ -151,22 +155,26 @@ class CheckpointStore(StoreUpkeep):
         *,
         allow_pickle: bool = False,
         allow_older: bool = False,
+        persist: bool = False,
     ) -> CheckpointInfo:
         """Write ``state`` as ``step``, commit it, move ``latest``, apply retention. A step
         behind ``latest`` (a rerun that forgot to resume) is refused before any upload, unless
-        ``allow_older``."""
-        step = layout.check_step(step)
+        ``allow_older``. With a local tier the step commits there; ``persist=True`` makes it
+        due for the durable tier whatever ``persist_every`` says (a final or preemption
+        save)."""
+        step = self._writing(layout.check_step(step), persist)
         return self._saver.save(step, state, metadata, allow_pickle, allow_older=allow_older)
 
     # fmt: off
     def save_async(self, step: int, state: Any, metadata: Mapping[str, Any] | None = None, *,
                    allow_pickle: bool = False, allow_older: bool = False,
                    overlap: bool | Optimizer | Iterable[Optimizer] = False,
-                   ) -> SaveHandle[CheckpointInfo]:
+                   persist: bool = False) -> SaveHandle[CheckpointInfo]:
         """Snapshot ``state`` and save it in the background, one save in flight at a time;
         ``overlap=optimizer`` defers the copy of its tensors to its next ``step()``
-        (``overlap=True``: every tensor, until ``before_update()``). README "Saving fast"."""
-        step = layout.check_step(step)
+        (``overlap=True``: every tensor, until ``before_update()``). README "Saving fast".
+        ``persist`` as for :meth:`save`."""
+        step = self._writing(layout.check_step(step), persist)
         return self._async.save_async(self._saver, step, state, metadata, allow_pickle,
                                       allow_older=allow_older, overlap=overlap)
     # fmt: on
@@ -177,8 +185,20 @@ class CheckpointStore(StoreUpkeep):
         self._async.before_update()
 
     def wait(self) -> None:
-        """Wait for the async save in flight; raise its error if nobody heard of it."""
+        """Wait for the async save in flight and, with a local tier, every copy to the
+        durable tier; raise an error nobody heard of (tiers.py)."""
         self._async.drain()
+        if self._tiers is not None:
+            self._tiers.wait()
+
+    def _writing(self, step: int, persist: bool = False) -> int:
+        """Before a save: with a local tier, resume the copies a kill interrupted (once) and
+        mark ``step`` due if asked."""
+        if self._tiers is not None:
+            self._tiers.start()
+            if persist:
+                self._tiers.force(step)
+        return step
 
     def push_dir(
         self,
@@ -190,7 +210,7 @@ class CheckpointStore(StoreUpkeep):
         allow_older: bool = False,
     ) -> CheckpointInfo:
         """Commit every file under ``local_dir`` as ``step`` (a verl ``global_step_N`` dir)."""
-        step = layout.check_step(step)
+        step = self._writing(layout.check_step(step))
         return self._saver.push_dir(step, Path(local_dir), metadata, progress, allow_older)
 
     # -- multi-process saves (coordination.py) -----------------------------------------------
@@ -205,7 +225,7 @@ class CheckpointStore(StoreUpkeep):
     ) -> Coordinator:
         """Begin a multi-process save on its coordinator (coordination.py): hand each
         participant its cut of ``.plan``, then ``.commit(entries)`` or ``.conclude(reports)``."""
-        step = layout.check_step(step)
+        step = self._writing(layout.check_step(step))
         return self._saver.begin(step, kind, metadata=metadata, allow_older=allow_older)
 
     # fmt: off
@@ -227,7 +247,7 @@ class CheckpointStore(StoreUpkeep):
                      world_size: int | None = None, allow_older: bool = False) -> CheckpointInfo:
         """Commit staged files as ``step`` (``begin_save`` then ``commit``): on failure
         before the manifest is written, nothing is committed and the files are removed."""
-        step = layout.check_step(step)
+        step = self._writing(layout.check_step(step))
         return self._saver.commit_staged(
             step, kind, tuple(entries), metadata, world_size=world_size, allow_older=allow_older
         )
@@ -249,8 +269,9 @@ class CheckpointStore(StoreUpkeep):
     # -- reading -------------------------------------------------------------------------
 
     def info(self, step: int) -> CheckpointInfo:
-        """The committed step's info; NotFoundError if it is not committed."""
-        return self._catalog.info(layout.check_step(step))
+        """The committed step's info (from the local tier when it holds it); NotFoundError
+        if no tier holds it committed."""
+        return self._resolver.info(layout.check_step(step))
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed step (resolver.py); ``None`` only for an empty store: a
@@ -258,12 +279,18 @@ class CheckpointStore(StoreUpkeep):
         return self._resolver.latest()
 
     def list(self) -> builtins.list[CheckpointInfo]:
-        """Every readable committed step, ascending. Broken manifests are logged, not listed."""
-        return self._catalog.list()
+        """Every readable committed step, ascending. Broken manifests are logged, not listed.
+        With a local tier, of both tiers, each with its ``tier``: ``local``, ``durable``,
+        ``local+durable`` or ``local (copying)``."""
+        if self._local is None or self._tiers is None:
+            return self._catalog.list()
+        return tier_listing(self._local.catalog.list(), self._catalog.list(),
+                            self._tiers.copying())  # fmt: skip
 
     def reload(self) -> None:
         """Forget the manifests this object has read (catalog.py)."""
-        self._catalog.forget_all()
+        for catalog in self._resolver.tiers:
+            catalog.forget_all()
 
     # fmt: off
     def wait_for_step(self, newer_than: int | None = None, *, timeout: float | None = None,
@@ -275,7 +302,7 @@ class CheckpointStore(StoreUpkeep):
 
     def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
         """Committed steps a writer committed after it lost the lease: never loaded as latest."""
-        return self._resolver.fenced_steps(infos)
+        return self._resolver.fenced_steps(self.list() if infos is None else infos)
 
     # fmt: off
     @overload
@@ -299,25 +326,31 @@ class CheckpointStore(StoreUpkeep):
         verification), every byte verified. ``with_info=True``: a :class:`Loaded` (state and
         step together); ``keys=["model"]``: only those parts, reading only their files."""
 
-        def load(info: CheckpointInfo, tier: CheckpointStore) -> Any:
+        def load(info: CheckpointInfo) -> Any:
             check_compat(info.manifest.environment, self._env(), mode=self.compat, where=info.uri)
-            return load_state(tier._catalog, info, allow_pickle=allow_pickle, keys=keys)
+            return load_state(self._catalog_of(info), info, allow_pickle=allow_pickle, keys=keys)
 
         found = self._resolve(step, fallback, load)
         self.last_loaded = found.info
         return Loaded(found.value, found.info) if with_info else found.value
 
     def _resolve(
-        self, step: int | None, fallback: bool, action: Callable[[CheckpointInfo, Any], T]
+        self, step: int | None, fallback: bool, action: Callable[[CheckpointInfo], T]
     ) -> Resolved[T]:
-        """Run ``action(info, tier)`` on the step a load starts from (resolver.py), by the
-        load's deadline; the tier is this store (a tiered store has a local one: tiered.py)."""
+        """Run ``action(info)`` on the step a load starts from (resolver.py), by the load's
+        deadline; ``info.tier`` says which tier's copy it is."""
         with within(self.options.load_timeout, operation="load"):
-            return self._resolver.resolve(step, fallback, lambda info: action(info, self))
+            return self._resolver.resolve(step, fallback, action)
+
+    def _catalog_of(self, info: CheckpointInfo) -> Catalog:
+        """The catalog of the tier ``info`` was found in."""
+        return self._local.catalog if self._local is not None and info.tier == LOCAL else (
+            self._catalog)  # fmt: skip
 
     def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
-        """One payload file of a committed step, verified against its manifest."""
-        return self._catalog.read_file(info, path)
+        """One payload file of a committed step, verified against its manifest; with a local
+        tier, its local copy where it is good, else the durable one (tiers.py)."""
+        return self._files.read_file(info, path)
 
     # fmt: off
     def pull_dir(self, local_dir: str | os.PathLike[str], step: int | None = None, *,
@@ -330,9 +363,9 @@ class CheckpointStore(StoreUpkeep):
         target = Path(local_dir)
         check_target(target, force=force or delete)  # before any read
 
-        def pull(info: CheckpointInfo, tier: CheckpointStore) -> None:
-            download_step(tier._catalog, info, target, progress, force=force, delete=delete,
-                          include=include, exclude=exclude)
+        def pull(info: CheckpointInfo) -> None:
+            download_step(self._catalog_of(info), info, target, progress, force=force,
+                          delete=delete, include=include, exclude=exclude)
 
         return self._resolve(step, fallback, pull).info
     # fmt: on

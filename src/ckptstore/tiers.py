@@ -1,58 +1,73 @@
-"""Two tiers under one store: every save lands in a fast local tier, due steps reach the
-durable tier in the background.
+"""The tiers of one store: a fast local tier in front of the durable store at its URI.
 
-A tiered store (tiered.py) commits each save in its local tier (a local disk, with the same
-commit protocol) and returns. A step is *due* for the durable tier when ``persist_every``
-local saves were made since the last due one, when ``persist_interval_seconds`` passed since
-then, when the caller asks (``save(..., persist=True)``: a final or a preemption save), or on
-every save when neither is set. A due step is pinned in the local tier first, so local
-retention never deletes it before it is durable, then one background thread copies it: its
-files first, then the very same manifest (same digests, same signature), create-only, then
-the durable ``latest`` moves forward and the durable tier applies its own retention under its
-own writer lease (maintenance.py's ``copy_to``). Then the local pin goes.
+``CheckpointStore(uri, local="/nvme/ckpt/run")`` is one store with two tiers and one
+``latest``; there is no second kind of store. The core knows the tiers:
 
-The pin is also the record that survives a kill: a store opened again copies every pinned
-local step the durable tier lacks. What a lost node loses is at most the local steps newer than
-the last durable one; :class:`~ckptstore.observer.PersistStats` reports that lag.
+* **Saving** (saving.py, coordination.py): every face's coordinated save commits in the local
+  tier, the same protocol over a local directory, under the store's writer lease (the local
+  tier has none of its own) and with the store's writer id, so a manifest is the store's
+  wherever it lies. A save must not fall behind the newest step of *either* tier.
+* **Persisting** (:class:`Persister`): a step is *due* for the durable tier when
+  ``persist_every`` local saves were made since the last due one, when
+  ``persist_interval_seconds`` passed since then, when the caller asks (``save(...,
+  persist=True)``: a final or a preemption save), or on every save when neither is set. A due
+  step is pinned in the local tier first, so local retention never deletes it before it is
+  durable; one background thread then commits it in the durable tier by the coordinated save
+  (coordination.py's :func:`~ckptstore.coordination.persist`): the writer lease, the files
+  copied (only those not there yet), the very same manifest create-only (same digests, same
+  signature), ``latest`` forward, the durable retention. Then the pin goes and the local
+  retention runs again.
+* **Resolving** (resolver.py): one resolver over both tiers: the newest step either holds,
+  the local copy of a step first, the durable copy of the same step before any older one,
+  the durable pointer's fences for both. Reads of a step's files take the local copy of each
+  file where it is good and fetch only the rest (:class:`TieredFiles`).
+* **Taking the lease over**: the fence a takeover stamps admits every step committed before
+  it in any tier the new holder sees (commit.py), so a step its node committed locally and a
+  kill kept from the bucket is persisted by the next writer as the store's, not a zombie's.
+
+The pin is the record that survives a kill: a store opened again for writing persists every
+pinned local step the durable tier lacks. A copy that failed is retried at the next open; once
+a later step is durable it is superseded: its pin goes and ``close()`` does not fail the job
+over it. What a lost node loses is at most the local steps newer than the last durable one;
+:class:`~ckptstore.observer.PersistStats` reports that lag.
 """
 
 from __future__ import annotations
 
-import builtins
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import InitVar, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import InitVar, dataclass, replace
+from typing import TYPE_CHECKING
 
-from ckptstore.errors import CheckpointError, ConfigError, NotFoundError
+from ckptstore.errors import (
+    CheckpointError,
+    ConfigError,
+    ConflictError,
+    IncompleteCheckpointError,
+    NotFoundError,
+)
 from ckptstore.observer import PersistStats, SaveObserver, TierObserver
 
 if TYPE_CHECKING:
+    from ckptstore.catalog import Catalog
+    from ckptstore.commit import Committer
     from ckptstore.info import CheckpointInfo, SaveStats
-
-
-class Tier(Protocol):
-    """What the persister uses of each tier (a CheckpointStore)."""
-
-    @property
-    def uri(self) -> str: ...
-
-    def info(self, step: int) -> CheckpointInfo: ...
-
-    def pin(self, step: int) -> None: ...
-
-    def unpin(self, step: int) -> bool: ...
-
-    def pins(self) -> builtins.list[int]: ...
-
-    def copy_to(self, other: Any, steps: Iterable[int] | None = None) -> Any: ...
-
+    from ckptstore.manifest import FileEntry, Manifest
+    from ckptstore.pruning import Pins, Pruner
+    from ckptstore.removal import Remover
+    from ckptstore.saving import Saver
 
 log = logging.getLogger(__name__)
+DEFAULT_LOCAL_KEEP_LAST = 2
+"""Steps the local tier keeps besides those not yet durable, unless ``local_keep_last``."""
+OTHER_NODES_WAIT = 600.0
+"""Seconds a persist waits for the other nodes' files of a multi-node save to reach the
+durable tier, unless the save's deadline (``save_timeout``) comes first."""
 
 
 @dataclass(frozen=True)
@@ -98,131 +113,301 @@ class PersistPolicy:
         )
 
 
+@dataclass(frozen=True)
+class LocalTier:
+    """The local tier's engines (wiring.py builds them): the catalog, the commit protocol,
+    removal, pins and retention of a store, over a local directory."""
+
+    catalog: Catalog
+    committer: Committer
+    remover: Remover
+    pins: Pins
+    pruner: Pruner
+
+    @property
+    def uri(self) -> str:
+        return self.catalog.backend.uri
+
+
+@dataclass(frozen=True)
+class TieredFiles:
+    """Reads a committed step's files from the fastest tier that holds each one good: a rank
+    whose node kept its shards reads none of them from the bucket, a wiped node reads all.
+    Every tier's copy is checked against the one manifest the resolver chose (the tiers hold
+    the same manifest), so a local copy is never trusted for being local."""
+
+    tiers: Sequence[Catalog]
+    """Fastest first; the durable tier last."""
+
+    def read_verified(self, step: int, entry: FileEntry) -> memoryview:
+        from ckptstore.resolver import VERIFY_ERRORS
+
+        *faster, durable = self.tiers
+        for catalog in faster:
+            try:
+                return catalog.read_verified(step, entry)
+            except NotFoundError:
+                pass
+            except VERIFY_ERRORS as e:
+                log.warning("%s; reading it from the next tier", e)
+        return durable.read_verified(step, entry)
+
+    def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
+        """One payload file of ``info``'s step by its path in the step, verified."""
+        return self.read_verified(info.step, self.tiers[-1].entry(info, path))
+
+
 class Persister:
-    """The local tier's observer and the background copier to the durable tier."""
+    """Commits the local tier's due steps in the durable tier, in one background thread
+    (the module docstring); the local saver tells it of each local commit."""
 
     def __init__(
         self,
-        durable: Tier,
-        durable_holds: Callable[[int], bool],
+        local: LocalTier,
+        durable: Saver,
         policy: PersistPolicy,
         observer: SaveObserver | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.local = local
         self.durable = durable
-        self.durable_holds = durable_holds
-        """Whether the durable tier alone holds a step (a tiered store's own ``info`` sees
-        both tiers)."""
+        """The durable tier's saver: persisting is a commit of the store there."""
         self.policy = policy
         self.observer = observer
         self.clock = clock
-        self.local: Tier | None = None
-        """Set once the local tier is open (it is built with this as its observer)."""
         self._forced: set[int] = set()
         self._saves_since = 0
         self._last_due: float | None = None
         self._committed_at: dict[int, float] = {}
         self._copying: set[int] = set()
-        self._errors: list[CheckpointError] = []
+        self._failures: dict[int, CheckpointError] = {}
+        self._due: set[int] = set()
+        self._durable_latest: int | None = None
+        self._durable_known = False
+        self._started = False
         self._lock = threading.Lock()
+        self._retention = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         self._pending: list[Future[None]] = []
 
-    # -- the local tier's observer ----------------------------------------------------------
+    @property
+    def uri(self) -> str:
+        return self.durable.uri
 
-    def saved(self, uri: str, stats: SaveStats) -> None:
-        """A step was committed in the local tier: pin and queue it if it is due."""
+    # -- what the local saver asks and tells -------------------------------------------------
+
+    def durable_latest(self) -> int | None:
+        """The durable tier's latest step: read once (its pointer, and a listing for a step
+        committed past it), then kept, since under the writer lease only this store's
+        persists move it. A local save reads nothing of the bucket."""
+        with self._lock:
+            if self._durable_known:
+                return self._durable_latest
+        step = self.durable.latest_step()
+        with self._lock:
+            self._durable_known = True
+            self._durable_latest = _newer(self._durable_latest, step)
+            return self._durable_latest
+
+    def start(self) -> None:
+        """The first write of this store: persist the pinned local steps the durable tier
+        lacks (a copy a kill interrupted); drop the pins of those it holds."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        resumed = []
+        for step in self.local.pins.steps():
+            if not self.local.catalog.is_committed(step, fresh=True):
+                self.local.pins.remove(step)  # a pin of a step that is gone: nothing to copy
+            elif self.durable.catalog.is_committed(step, fresh=True):
+                self.local.pins.remove(step)
+            else:
+                resumed.append(step)
+                self.queue(step)
+        if resumed:
+            log.warning("%s: persisting steps %s from the local tier %s, where a kill left them",
+                        self.uri, resumed, self.local.uri)  # fmt: skip
+
+    def saved(self, stats: SaveStats) -> None:
+        """A step was committed in the local tier: pin and queue it if it is due (before the
+        local retention runs)."""
         now = self.clock()
         with self._lock:
             self._committed_at[stats.step] = now
             self._saves_since += 1
             since = None if self._last_due is None else now - self._last_due
             forced = stats.step in self._forced
-            if not self.policy.due(self._saves_since, since, forced=forced):
-                due = False
-            else:
-                due, self._saves_since, self._last_due = True, 0, now
+            due = self.policy.due(self._saves_since, since, forced=forced)
+            if due:
+                self._saves_since, self._last_due = 0, now
                 self._forced.discard(stats.step)
-        if self.observer is not None:
-            self.observer.saved(uri, stats)
         if due:
             self.queue(stats.step)
 
-    def failed(self, uri: str, step: int, error: BaseException) -> None:
-        self._forced.discard(step)
-        if self.observer is not None:
-            self.observer.failed(uri, step, error)
+    def retain_local(self) -> None:
+        """Apply the local tier's retention, after a local commit or a persist (one at a
+        time: two prunes of one tier would race on the same manifests)."""
+        with self._retention:
+            self.local.pruner.after_save()
+
+    def failed(self, step: int) -> None:
+        """The local save of ``step`` failed: a ``persist=True`` on it lapses."""
+        with self._lock:
+            self._forced.discard(step)
 
     def force(self, step: int) -> None:
         """Make ``step`` due when it commits (``save(..., persist=True)``)."""
         with self._lock:
             self._forced.add(step)
 
-    # -- copying ---------------------------------------------------------------------------
-
-    def queue(self, step: int) -> None:
-        """Pin ``step`` in the local tier (retention keeps it) and copy it in the background."""
-        local = self._local()
-        local.pin(step)
-        with self._lock:
-            self._copying.add(step)
-            self._pending.append(self._pool.submit(self._copy, step))
-
-    def resume(self) -> list[int]:
-        """Queue the pinned local steps the durable tier lacks (a copy a kill interrupted);
-        unpin those it holds. Returns the steps queued."""
-        local = self._local()
-        queued = []
-        for step in local.pins():
-            try:
-                local.info(step)
-            except NotFoundError:
-                local.unpin(step)  # a pin of a step that is gone: nothing to copy
-                continue
-            if self.durable_holds(step):
-                local.unpin(step)
-            else:
-                queued.append(step)
-                self.queue(step)
-        return queued
-
     def copying(self) -> set[int]:
         with self._lock:
             return set(self._copying)
 
-    def _copy(self, step: int) -> None:
-        local = self._local()
+    # -- persisting --------------------------------------------------------------------------
+
+    def queue(self, step: int) -> None:
+        """Pin ``step`` in the local tier (retention keeps it) and persist it in the
+        background."""
+        self.local.pins.add(step)
+        with self._lock:
+            self._due.add(step)
+            self._copying.add(step)
+            self._pending.append(self._pool.submit(self._persist, step))
+
+    def due(self, step: int) -> bool:
+        """Whether ``step``, committed here, was judged due (the coordinator tells the other
+        nodes of a multi-node save: distributed.py)."""
+        with self._lock:
+            return step in self._copying or step in self._due
+
+    def _persist(self, step: int) -> None:
+        from ckptstore.coordination import persist
+
         started = self.clock()
         try:
-            local.copy_to(self.durable, [step])
-            local.unpin(step)
+            manifest = self.local.catalog.read_manifest(step)
+            persist(self.durable, manifest, self._gather)
         except CheckpointError as e:
-            log.error(
-                "%s: step %d stays in the local tier %s; its copy failed (retried when the "
-                "store is opened again): %s",
-                self.durable.uri,
-                step,
-                local.uri,
-                e,
-            )
-            with self._lock:
-                self._errors.append(e)
-                self._copying.discard(step)
-            if isinstance(self.observer, TierObserver):
-                self.observer.persist_failed(self.durable.uri, step, e)
+            self._failed(step, e)
             return
+        finally:
+            with self._lock:
+                self._copying.discard(step)
         with self._lock:
-            self._copying.discard(step)
+            self._durable_latest = _newer(self._durable_latest, step)
             committed = self._committed_at.pop(step, started)
+            superseded = [s for s in self._failures if s < step]
+            for old in superseded:
+                del self._failures[old]
+        for old in [step, *superseded]:
+            self.local.pins.remove(old)
+        if superseded:
+            log.warning("%s: steps %s, whose copies failed, are superseded by durable step %d; "
+                        "they stay in the local tier until its retention drops them",
+                        self.uri, superseded, step)  # fmt: skip
+        self.retain_local()  # the pin is gone: the local tier keeps its count again
         stats = self._stats(step, self.clock() - committed)
-        log.info(
-            "%s: step %d is durable, %.2f s after its local commit",
-            self.durable.uri,
-            step,
-            stats.seconds_to_durable,
-        )
+        log.info("%s: step %d is durable, %.2f s after its local commit",
+                 self.uri, step, stats.seconds_to_durable)  # fmt: skip
         if isinstance(self.observer, TierObserver):
-            self.observer.persisted(self.durable.uri, stats)
+            self.observer.persisted(self.uri, stats)
+
+    def _gather(self, step: int, entries: Sequence[FileEntry]) -> None:
+        """Bring ``entries`` of ``step`` to the durable tier: copy those this node holds,
+        then wait for the rest, which the other nodes of a multi-node save persist
+        (:meth:`join`), by the persist's deadline (at most :data:`OTHER_NODES_WAIT`)."""
+        from ckptstore.copying import FileCopier
+        from ckptstore.deadline import remaining
+        from ckptstore.follow import Backoff
+
+        here = self.local.catalog.payload_sizes(step)
+        mine = [e for e in entries if here.get(e.key(step)) == e.size]
+        FileCopier(self.local.catalog.backend, self.durable.catalog.backend).copy_files(step, mine)
+        rest = [e for e in entries if here.get(e.key(step)) != e.size]
+        until = time.monotonic() + remaining(OTHER_NODES_WAIT)
+        backoff = Backoff(0.05, 2.0)
+        while rest:
+            there = self.durable.catalog.payload_sizes(step)
+            rest = [e for e in rest if there.get(e.key(step)) != e.size]
+            left = until - time.monotonic()
+            if rest and left <= 0:
+                raise IncompleteCheckpointError(
+                    f"{self.uri}: step {step} was not persisted: {len(rest)} of its files, "
+                    f"held by other nodes (first: {rest[0].path}), never reached it; a node "
+                    "died or failed before persisting its share. The step stays in the local "
+                    "tiers; a later durable step supersedes it",
+                    uri=self.durable.catalog.uri(rest[0].key(step)),
+                    step=step,
+                )
+            if rest:
+                time.sleep(min(backoff.next(), left))
+
+    def join(self, manifest: Manifest, mine: Sequence[str], *, due: bool) -> None:
+        """On a participant of a multi-node save (distributed.py): the coordinator committed
+        ``manifest``, whose files ``mine`` this process staged in its node's local tier.
+        Commit it in this local tier too, so the step resolves on this node, and, if it was
+        due, persist those files in the background; the coordinator's persist waits for
+        them before it commits the step in the durable tier."""
+        step = manifest.step
+        self.hold(manifest)
+        self._drop_stale_pins(step)
+        if not due:
+            self.retain_local()
+            return
+        self.local.pins.add(step)
+        with self._lock:
+            self._copying.add(step)
+            self._pending.append(self._pool.submit(self._share, manifest, frozenset(mine)))
+
+    def hold(self, manifest: Manifest) -> None:
+        """Commit ``manifest`` in this node's local tier if it lacks it (its files may be
+        here, at a peer's, or in the durable tier: reads find each one) and move the local
+        ``latest`` forward to it."""
+        from ckptstore.catalog import StepState
+
+        if self.local.catalog.state_of(manifest.step, fresh=True) is StepState.ABSENT:
+            # another rank of this node may commit it first: the same manifest
+            with contextlib.suppress(ConflictError):
+                self.local.committer.commit(manifest)
+        self.local.committer.advance_latest(manifest.step, epoch=manifest.lease_epoch)
+
+    def _drop_stale_pins(self, step: int) -> None:
+        """A participant's pins of older steps that are durable now, or whose share a kill
+        interrupted and no later durable step needs: their local copies may go by
+        retention."""
+        with self._lock:
+            busy = set(self._copying)
+        for old in self.local.pins.steps():
+            if old < step and old not in busy:
+                self.local.pins.remove(old)
+
+    def _share(self, manifest: Manifest, mine: frozenset[str]) -> None:
+        from ckptstore.copying import FileCopier
+
+        step = manifest.step
+        files = [f for f in manifest.files if f.path in mine]
+        try:
+            copier = FileCopier(self.local.catalog.backend, self.durable.catalog.backend)
+            copier.copy_files(step, files)
+        except CheckpointError as e:
+            self._failed(step, e)
+            return
+        finally:
+            with self._lock:
+                self._copying.discard(step)
+        self.local.pins.remove(step)
+        self.retain_local()
+
+    def _failed(self, step: int, error: CheckpointError) -> None:
+        log.error("%s: step %d stays in the local tier %s; persisting it failed (retried when "
+                  "the store is opened again, unless a later step is durable first): %s",
+                  self.uri, step, self.local.uri, error)  # fmt: skip
+        with self._lock:
+            self._failures[step] = error
+        if isinstance(self.observer, TierObserver):
+            self.observer.persist_failed(self.uri, step, error)
 
     def _stats(self, step: int, seconds: float) -> PersistStats:
         now = self.clock()
@@ -232,23 +417,57 @@ class Persister:
         return PersistStats(step, seconds, len(newer), now - oldest)
 
     def wait(self) -> None:
-        """Wait for every queued copy; raise the first failure nobody heard of."""
+        """Wait for every queued copy; raise the newest failure no later durable step
+        superseded (older ones are logged: their steps stay local until retention)."""
         with self._lock:
             pending, self._pending = self._pending, []
         for future in pending:
             future.result()
         with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
+            failures, self._failures = self._failures, {}
+        if failures:
+            raise failures[max(failures)]
 
     def close(self) -> None:
+        """A writer's last local step is always made durable; then wait for every copy
+        (raising as :meth:`wait` does) and stop the thread."""
         try:
+            with self._lock:
+                writing = self._started
+            if writing:
+                newest = self._newest_local()
+                if newest is not None and not self.durable.catalog.is_committed(newest):
+                    self.queue(newest)
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
 
-    def _local(self) -> Tier:
-        if self.local is None:
-            raise CheckpointError("the local tier is not open")
-        return self.local
+    def _newest_local(self) -> int | None:
+        from ckptstore.resolver import Resolver
+
+        newest = Resolver(self.local.catalog).latest()
+        return newest.step if newest is not None else None
+
+
+def _newer(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def tier_listing(
+    local: Sequence[CheckpointInfo], durable: Sequence[CheckpointInfo], copying: set[int]
+) -> list[CheckpointInfo]:
+    """Both tiers' committed steps as one list, ascending, each with where it is:
+    ``local+durable``, ``local``, ``local (copying)`` or ``durable`` (the local info first:
+    reads of a step both hold go there)."""
+    held = {i.step: i for i in durable}
+    here = {i.step: i for i in local}
+    found = []
+    for step in sorted(held.keys() | here.keys()):
+        if step in here and step in held:
+            found.append(replace(here[step], tier="local+durable"))
+        elif step in here:
+            tier = "local (copying)" if step in copying else "local"
+            found.append(replace(here[step], tier=tier))
+        else:
+            found.append(replace(held[step], tier="durable"))
+    return found

@@ -9,6 +9,11 @@ siblings, and the store (store.py) only holds them.
     Pins, Pruner (retention carried out), Maintenance (verify, pins, delete)
     Replica (the store as a replication's destination: its committer, remover, pruner, lease)
     AsyncSaver (the save in flight) ── Saver (the coordinated save's store side) ── Adopter
+
+With ``local=``, a LocalTier (the same engines over a local directory, no lease of its own) and
+a second Saver that commits there; the first one becomes the durable tier's, which the
+Persister commits due steps through (tiers.py). Saves go to the front saver, every
+many-step operation to the durable tier's engines, and the Resolver sees both.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from ckptstore.adoption import Adopter
 from ckptstore.async_saving import AsyncSaver
 from ckptstore.backends.base import Backend
+from ckptstore.backends.registry import open_backend
 from ckptstore.catalog import Catalog
 from ckptstore.commit import Committer
 from ckptstore.config import key_bytes, signing_key_from_env
@@ -34,8 +40,10 @@ from ckptstore.pruning import Pins, Pruner
 from ckptstore.removal import Remover
 from ckptstore.replica import Replica
 from ckptstore.resolver import Resolver
+from ckptstore.retention import RetentionPolicy
 from ckptstore.saving import Saver
 from ckptstore.signing import Signer
+from ckptstore.tiers import DEFAULT_LOCAL_KEEP_LAST, LocalTier, Persister
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,10 @@ class Parts:
     """This store as a replication's destination (replica.py)."""
     in_flight: AsyncSaver
     saver: Saver
+    """Where saves commit: the local tier's saver in a tiered store, else the store's."""
     adopter: Adopter
+    local: LocalTier | None = None
+    persister: Persister | None = None
 
 
 def assemble(
@@ -74,9 +85,11 @@ def assemble(
     key = key_bytes(options.signing_key) if options.signing_key is not None else None
     key = key if key is not None else signing_key_from_env()
     signer = Signer(key) if key is not None else None
+    local = _local_tier(options, writer, signer, clock)
     catalog = Catalog(backend, signer=signer)
     remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
-    committer = Committer(catalog, remover, writer=writer, clock=clock)
+    faster = (local.catalog,) if local is not None else ()
+    committer = Committer(catalog, remover, writer=writer, clock=clock, faster_tiers=faster)
     lease = None
     if options.lease:
         lease = WriterLease(
@@ -90,18 +103,47 @@ def assemble(
     hold = lease.hold if lease is not None else _no_lease
     pins = Pins(backend)
     pruner = Pruner(catalog, remover, options.policy, pins)
-    resolver = Resolver(catalog)
+    resolver = Resolver(catalog, faster=faster)
     maintenance = Maintenance(catalog, resolver, committer, remover, pins, pruner)
     replica = Replica(catalog, committer, remover, pruner, hold, options.save_timeout)
     in_flight = AsyncSaver()
     saver = Saver(
         catalog, committer, remover, lease, pruner.after_save, environment, clock,
-        options.incremental, options.shard_size, in_flight.drain, observer, options.save_timeout,
+        options.incremental, options.shard_size, in_flight.drain if local is None else _nothing,
+        observer if local is None else None, options.save_timeout,
     )  # fmt: skip
+    front, persister = saver, None
+    if local is not None:
+        persister = Persister(local, saver, options.persist_policy, observer)
+        front = Saver(
+            local.catalog, local.committer, local.remover, lease, persister.retain_local,
+            environment, clock, options.incremental, options.shard_size, in_flight.drain,
+            observer, options.save_timeout, tiers=persister,
+        )  # fmt: skip
     return Parts(
         writer, signer, catalog, remover, committer, resolver, lease, pruner, maintenance,
-        replica, in_flight, saver, Adopter(saver),
+        replica, in_flight, front, Adopter(saver), local, persister,
     )  # fmt: skip
+
+
+def _local_tier(
+    options: StoreOptions, writer: str, signer: Signer | None, clock: Callable[[], float]
+) -> LocalTier | None:
+    """The engines of the local tier, when the store has one: its own retention
+    (``local_keep_last``), the store's writer id and signing key, no lease of its own."""
+    if options.local is None:
+        return None
+    backend = open_backend(options.local, {})
+    catalog = Catalog(backend, signer=signer)
+    remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
+    committer = Committer(catalog, remover, writer=writer, clock=clock)
+    pins = Pins(backend)
+    keep = RetentionPolicy(options.local_keep_last or DEFAULT_LOCAL_KEEP_LAST)
+    return LocalTier(catalog, committer, remover, pins, Pruner(catalog, remover, keep, pins))
+
+
+def _nothing() -> None:
+    """The durable tier's saver waits for no save in flight: saves go to the local tier."""
 
 
 def _no_lease() -> int:

@@ -67,7 +67,6 @@ from ckptstore.integrations.training_state import (
     set_rng_state,
     training_state,
 )
-from ckptstore.tiered import TieredStore
 
 if TYPE_CHECKING:
     from ckptstore.background import SaveHandle
@@ -285,10 +284,8 @@ class CheckpointCallback:
         state, meta = training_state(*objects), _metadata(metrics, reason)
         last = reason in ("end", "preempted")
         try:
-            if last and isinstance(self.store, TieredStore):  # to the durable tier, whatever
-                info = self.store.save(step, state, meta, persist=True)  # persist_every says
-            else:
-                info = self.store.save(step, state, meta)
+            # the last save reaches the durable tier, whatever persist_every says
+            info = self.store.save(step, state, meta, persist=last)
         except CheckpointError as e:
             self._failed(step, e)
             if last:
