@@ -6,7 +6,6 @@ pointers still read, and a pointer of a newer ckptstore is refused, never overwr
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -64,7 +63,7 @@ def test_a_tiered_job_that_takes_over_has_its_persisted_steps_resumed_from(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The zombie's late step is fenced; the successor's steps, persisted from a fresh local
-    tier under local epoch 1 (below the store's fence epoch 2), are not."""
+    tier, are not."""
     uri = str(tmp_path / "durable")
     zombie = CheckpointStore(uri, local=str(tmp_path / "node-a"), persist_every=1)
     zombie.save(1, state(1))
@@ -72,8 +71,10 @@ def test_a_tiered_job_that_takes_over_has_its_persisted_steps_resumed_from(
     assert zombie._lease is not None
     epoch = zombie.hold_lease()
     successor = CheckpointStore(uri, local=str(tmp_path / "node-b"), takeover=True)
-    # the zombie's last renewal landed just before the takeover: its copy commits step 2
-    monkeypatch.setattr(zombie, "_replica", replace(zombie.replica, hold_lease=lambda: epoch))
+    # the zombie's last renewal landed just before the takeover: it commits step 2 locally,
+    # and its persist commits it in the store, in the round trip after that renewal
+    monkeypatch.setattr(zombie._lease, "hold", lambda: epoch)
+    monkeypatch.setattr(zombie._lease, "ensure", lambda: epoch)
     zombie.save(2, state(2))
     with pytest.raises(FencedError, match="newer writer lease"):
         zombie.wait()

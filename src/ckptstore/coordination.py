@@ -89,6 +89,14 @@ class Saver(Protocol):
 
     def ensure_lease(self) -> int: ...
 
+    def due(self, step: int) -> bool:
+        """Whether ``step``, once committed, is due for the durable tier (saving.py)."""
+        ...
+
+    def share(self, plan: Plan, entries: Sequence[FileEntry]) -> None:
+        """A participant's files of a due step: persist them in the background (saving.py)."""
+        ...
+
     def advance_latest(self, step: int, *, epoch: int, newest_before: int | None) -> None:
         """Move ``latest`` to the step just committed (saving.py)."""
         ...
@@ -111,6 +119,10 @@ class Plan:
     save: str | None = None
     """This save's id, in each participant's attempt marker: a discard removes this save's
     attempts and nobody else's (a new lease holder saving the same step, say)."""
+    due: bool = False
+    """With local tiers (tiers.py): the step will be due for the durable tier once
+    committed, so each participant persists its share of the files as soon as it staged them,
+    and the coordinator's persist waits for those shares before it commits there."""
 
     def only(self, prefix: str) -> Plan:
         """This plan with the previous files under ``prefix`` (a folder with its ``/``)."""
@@ -171,15 +183,20 @@ def stage(
     progress: Progress | None = None,
     *,
     rank: int | None = None,
+    share: bool = True,
 ) -> list[FileEntry]:
     """A participant's part: upload ``files`` into an attempt of their own, uncommitted, by
-    the save's deadline (the store's ``save_timeout``; ``rank`` names it in a timeout).
+    the save's deadline (the store's ``save_timeout``; ``rank`` names it in a timeout); of a
+    due step in a store with local tiers, persist them in the background (``share``).
     Checks nothing the coordinator checked in :meth:`Coordinator.begin`."""
     previous = plan.previous if saver.incremental else None
     with within(saver.save_timeout, rank=rank):
-        return saver.committer.write_payload(
+        entries = saver.committer.write_payload(
             plan.step, files, progress, previous=previous, epoch=plan.epoch, save=plan.save
         )
+    if share and plan.due:
+        saver.share(plan, entries)
+    return entries
 
 
 @dataclass
@@ -213,14 +230,15 @@ class Coordinator:
         if not allow_older:
             check_not_behind(saver, step, latest_step)
         previous = Previous.of(manifest, latest_step)
-        plan = Plan(step, kind, epoch, previous, secrets.token_hex(8))
+        plan = Plan(step, kind, epoch, previous, secrets.token_hex(8), saver.due(step))
         return cls(saver, step, kind, plan, user_metadata, started)
 
     def stage_here(
         self, files: Iterable[SourceFile], progress: Progress | None = None
     ) -> list[FileEntry]:
-        """Stage files from the coordinator's own process (a single-process save)."""
-        return stage(self.saver, self.plan, files, progress)
+        """Stage files from the coordinator's own process (a single-process save: its
+        persist copies them, no share)."""
+        return stage(self.saver, self.plan, files, progress, share=False)
 
     def conclude(
         self,

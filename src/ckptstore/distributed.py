@@ -241,20 +241,18 @@ def _save(
         if coordinator is not None:
             coordinator.discard()
         raise
-    # 3. Rank 0 commits, or discards; everyone learns which, and whether the step is due
-    # for the durable tier: each node then commits it in its local tier too (tiers.py).
+    # 3. Rank 0 commits, or discards; everyone learns which, and each node commits it in its
+    # local tier too (tiers.py).
     outcome: CheckpointInfo | CheckpointError | None = None
-    due = False
     if coordinator is not None and reports is not None:
         try:
             outcome = coordinator.conclude(reports, world_size=comm.size, coordinator=0)
-            due = tiers is not None and tiers.due(step)
         except CheckpointError as e:
             outcome = e
-    outcome, due = comm.broadcast((outcome, due))
+    outcome = comm.broadcast(outcome)
     if isinstance(outcome, CheckpointInfo):
         if tiers is not None and comm.rank != 0:
-            tiers.join(outcome.manifest, [e.path for e in report.entries], due=due)
+            tiers.join(outcome.manifest)
         return outcome
     if tiers is not None and comm.rank != 0:  # rank 0 discarded what it sees, not this node
         tiers.local.remover.discard_attempts(step, {e.attempt for e in report.entries if e.attempt})

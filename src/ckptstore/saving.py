@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.background import Abandon
 from ckptstore.catalog import Catalog, StepState
 from ckptstore.commit import Committer
-from ckptstore.coordination import Coordinator
+from ckptstore.coordination import Coordinator, Plan
 from ckptstore.deadline import within
 from ckptstore.errors import CheckpointError, ConfigError
 from ckptstore.info import CheckpointInfo, SaveStats
@@ -109,6 +109,15 @@ class Saver:
             raise
         if newest_before is None or step >= newest_before:
             self.pointer_trusted = True
+
+    def due(self, step: int) -> bool:
+        """Whether ``step``, once committed here, is due for the durable tier (tiers.py)."""
+        return self.tiers is not None and self.tiers.decide(step)
+
+    def share(self, plan: Plan, entries: Sequence[FileEntry]) -> None:
+        """A participant's files of a due step: persist them in the background (tiers.py)."""
+        if self.tiers is not None:
+            self.tiers.share(plan, entries)
 
     def hold_lease(self) -> int:
         """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""

@@ -39,9 +39,10 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import InitVar, dataclass, replace
+from dataclasses import InitVar, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ckptstore.errors import (
@@ -52,13 +53,15 @@ from ckptstore.errors import (
     NotFoundError,
 )
 from ckptstore.observer import PersistStats, SaveObserver, TierObserver
+from ckptstore.pruning import Pins
 
 if TYPE_CHECKING:
     from ckptstore.catalog import Catalog
     from ckptstore.commit import Committer
+    from ckptstore.coordination import Plan
     from ckptstore.info import CheckpointInfo, SaveStats
     from ckptstore.manifest import FileEntry, Manifest
-    from ckptstore.pruning import Pins, Pruner
+    from ckptstore.pruning import Pruner
     from ckptstore.removal import Remover
     from ckptstore.saving import Saver
 
@@ -114,6 +117,30 @@ class PersistPolicy:
 
 
 @dataclass(frozen=True)
+class TierPins(Pins):
+    """A local tier's pins: those written (a due step not yet durable, kept across a kill),
+    and the steps whose shares this process is copying now (:meth:`Persister.share`)."""
+
+    _busy: Counter[int] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def hold(self, step: int) -> None:
+        with self._lock:
+            self._busy[step] += 1
+
+    def release(self, step: int) -> None:
+        with self._lock:
+            self._busy[step] -= 1
+            if self._busy[step] <= 0:
+                del self._busy[step]
+
+    def steps(self) -> list[int]:
+        with self._lock:
+            busy = set(self._busy)
+        return sorted(set(super().steps()) | busy)
+
+
+@dataclass(frozen=True)
 class LocalTier:
     """The local tier's engines (wiring.py builds them): the catalog, the commit protocol,
     removal, pins and retention of a store, over a local directory."""
@@ -121,7 +148,7 @@ class LocalTier:
     catalog: Catalog
     committer: Committer
     remover: Remover
-    pins: Pins
+    pins: TierPins
     pruner: Pruner
 
     @property
@@ -181,13 +208,17 @@ class Persister:
         self._committed_at: dict[int, float] = {}
         self._copying: set[int] = set()
         self._failures: dict[int, CheckpointError] = {}
-        self._due: set[int] = set()
+        self._decided: dict[int, bool] = {}
+        self._sharing: dict[int, set[str]] = {}
+        """Keys of files this process persists as a participant's share (:meth:`share`)."""
         self._durable_latest: int | None = None
         self._durable_known = False
         self._started = False
         self._lock = threading.Lock()
         self._retention = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
+        self._pool_shares = ThreadPoolExecutor(1, thread_name_prefix="ckpt-share")
+        """Shares run beside persists: a persist waits for this process's own shares."""
         self._pending: list[Future[None]] = []
 
     @property
@@ -235,15 +266,27 @@ class Persister:
         now = self.clock()
         with self._lock:
             self._committed_at[stats.step] = now
+            due = self._decided.pop(stats.step, None)
+            if due is None:
+                due = self._judge(stats.step, now)
             self._saves_since += 1
-            since = None if self._last_due is None else now - self._last_due
-            forced = stats.step in self._forced
-            due = self.policy.due(self._saves_since, since, forced=forced)
             if due:
                 self._saves_since, self._last_due = 0, now
                 self._forced.discard(stats.step)
         if due:
             self.queue(stats.step)
+
+    def decide(self, step: int) -> bool:
+        """Whether ``step`` will be due once committed, judged when its save begins, so
+        that the participants of a coordinated save persist their shares as they stage them
+        (coordination.py's ``Plan.due``); the commit keeps this verdict."""
+        with self._lock:
+            due = self._decided[step] = self._judge(step, self.clock())
+            return due
+
+    def _judge(self, step: int, now: float) -> bool:
+        since = None if self._last_due is None else now - self._last_due
+        return self.policy.due(self._saves_since + 1, since, forced=step in self._forced)
 
     def retain_local(self) -> None:
         """Apply the local tier's retention, after a local commit or a persist (one at a
@@ -272,15 +315,8 @@ class Persister:
         background."""
         self.local.pins.add(step)
         with self._lock:
-            self._due.add(step)
             self._copying.add(step)
             self._pending.append(self._pool.submit(self._persist, step))
-
-    def due(self, step: int) -> bool:
-        """Whether ``step``, committed here, was judged due (the coordinator tells the other
-        nodes of a multi-node save: distributed.py)."""
-        with self._lock:
-            return step in self._copying or step in self._due
 
     def _persist(self, step: int) -> None:
         from ckptstore.coordination import persist
@@ -323,9 +359,11 @@ class Persister:
         from ckptstore.follow import Backoff
 
         here = self.local.catalog.payload_sizes(step)
-        mine = [e for e in entries if here.get(e.key(step)) == e.size]
+        with self._lock:
+            shared = self._sharing.get(step, set())
+        mine = [e for e in entries if here.get(e.key(step)) == e.size and e.key(step) not in shared]
         FileCopier(self.local.catalog.backend, self.durable.catalog.backend).copy_files(step, mine)
-        rest = [e for e in entries if here.get(e.key(step)) != e.size]
+        rest = [e for e in entries if e not in mine]
         until = time.monotonic() + remaining(OTHER_NODES_WAIT)
         backoff = Backoff(0.05, 2.0)
         while rest:
@@ -344,22 +382,13 @@ class Persister:
             if rest:
                 time.sleep(min(backoff.next(), left))
 
-    def join(self, manifest: Manifest, mine: Sequence[str], *, due: bool) -> None:
+    def join(self, manifest: Manifest) -> None:
         """On a participant of a multi-node save (distributed.py): the coordinator committed
-        ``manifest``, whose files ``mine`` this process staged in its node's local tier.
-        Commit it in this local tier too, so the step resolves on this node, and, if it was
-        due, persist those files in the background; the coordinator's persist waits for
-        them before it commits the step in the durable tier."""
-        step = manifest.step
+        ``manifest``, some of whose files this process staged (and, the step being due,
+        shares: :meth:`share`). Commit it in this node's local tier too, so the step resolves
+        on this node, and apply the local retention."""
         self.hold(manifest)
-        self._drop_stale_pins(step)
-        if not due:
-            self.retain_local()
-            return
-        self.local.pins.add(step)
-        with self._lock:
-            self._copying.add(step)
-            self._pending.append(self._pool.submit(self._share, manifest, frozenset(mine)))
+        self.retain_local()
 
     def hold(self, manifest: Manifest) -> None:
         """Commit ``manifest`` in this node's local tier if it lacks it (its files may be
@@ -373,32 +402,35 @@ class Persister:
                 self.local.committer.commit(manifest)
         self.local.committer.advance_latest(manifest.step, epoch=manifest.lease_epoch)
 
-    def _drop_stale_pins(self, step: int) -> None:
-        """A participant's pins of older steps that are durable now, or whose share a kill
-        interrupted and no later durable step needs: their local copies may go by
-        retention."""
+    def share(self, plan: Plan, entries: Sequence[FileEntry]) -> None:
+        """A participant's files of a step due for the durable tier, just staged in this
+        node's local tier: copy them there in the background, under attempt markers of the
+        save (so gc knows whose they are if the step is never committed). The coordinator's
+        persist waits for them, then commits the step (:meth:`_gather`)."""
+        step = plan.step
         with self._lock:
-            busy = set(self._copying)
-        for old in self.local.pins.steps():
-            if old < step and old not in busy:
-                self.local.pins.remove(old)
+            self._sharing.setdefault(step, set()).update(e.key(step) for e in entries)
+            self._copying.add(step)
+            self.local.pins.hold(step)
+            self._pending.append(self._pool_shares.submit(self._share, plan, tuple(entries)))
 
-    def _share(self, manifest: Manifest, mine: frozenset[str]) -> None:
+    def _share(self, plan: Plan, entries: tuple[FileEntry, ...]) -> None:
         from ckptstore.copying import FileCopier
 
-        step = manifest.step
-        files = [f for f in manifest.files if f.path in mine]
+        step = plan.step
+        durable = self.durable
         try:
-            copier = FileCopier(self.local.catalog.backend, self.durable.catalog.backend)
-            copier.copy_files(step, files)
+            for attempt in sorted({e.attempt for e in entries if e.attempt is not None}):
+                durable.committer.begin_attempt(step, plan.epoch, attempt, save=plan.save)
+            FileCopier(self.local.catalog.backend, durable.catalog.backend).copy_files(
+                step, entries
+            )
         except CheckpointError as e:
             self._failed(step, e)
-            return
         finally:
             with self._lock:
                 self._copying.discard(step)
-        self.local.pins.remove(step)
-        self.retain_local()
+                self.local.pins.release(step)
 
     def _failed(self, step: int, error: CheckpointError) -> None:
         log.error("%s: step %d stays in the local tier %s; persisting it failed (retried when "
@@ -441,6 +473,7 @@ class Persister:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self._pool_shares.shutdown(wait=True)
 
     def _newest_local(self) -> int | None:
         from ckptstore.resolver import Resolver

@@ -43,7 +43,7 @@ from ckptstore.resolver import Resolver
 from ckptstore.retention import RetentionPolicy
 from ckptstore.saving import Saver
 from ckptstore.signing import Signer
-from ckptstore.tiers import DEFAULT_LOCAL_KEEP_LAST, LocalTier, Persister
+from ckptstore.tiers import DEFAULT_LOCAL_KEEP_LAST, LocalTier, Persister, TierPins
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def _local_tier(
     catalog = Catalog(backend, signer=signer)
     remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
     committer = Committer(catalog, remover, writer=writer, clock=clock)
-    pins = Pins(backend)
+    pins = TierPins(backend)
     keep = RetentionPolicy(options.local_keep_last or DEFAULT_LOCAL_KEEP_LAST)
     return LocalTier(catalog, committer, remover, pins, Pruner(catalog, remover, keep, pins))
 
