@@ -44,6 +44,7 @@ def _save_then_lose_the_node(
     infos = [save_distributed(store, step, rank_state(rank, step)) for step in (1, 2)]
     store.wait()  # step 2 is durable: every node persisted its share, rank 0 committed it
     infos.append(save_distributed(store, 3, rank_state(rank, 3)))
+    store.wait()  # the peer copies, made behind the save, are done; 3 is not due
     local_steps = [i.step for i in CheckpointStore(str(locals_[rank]), lease=False).list()]
     return {"infos": infos, "local": local_steps}
 

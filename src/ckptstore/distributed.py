@@ -138,15 +138,16 @@ class Collectives:
 
     def send(self, obj: object, to: int) -> None:
         """Send ``obj`` to group rank ``to`` (it calls :meth:`receive`)."""
-        dist.send_object_list([obj], dst=self._global(to), group=self.group)
+        dist.send_object_list([obj], dst=self.global_rank(to), group=self.group)
 
     def receive(self, source: int) -> Any:
         """What group rank ``source`` sends this rank."""
         box: list[Any] = [None]
-        dist.recv_object_list(box, src=self._global(source), group=self.group)
+        dist.recv_object_list(box, src=self.global_rank(source), group=self.group)
         return box[0]
 
-    def _global(self, rank: int) -> int:
+    def global_rank(self, rank: int) -> int:
+        """The global rank of group rank ``rank`` (point-to-point calls address those)."""
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     def all_gather(self, obj: T) -> list[T]:
@@ -221,8 +222,8 @@ def _save(
             {0: describe(plan)},
             **_step_context(store.uri, step),
         ) from plan
-    # 2. Every rank stages its own files (in its node's local tier, if the store has one,
-    # and a copy in the next rank's: peers.py); the entries (or the error) go to rank 0.
+    # 2. Every rank stages its own files (in its node's local tier, if the store has one);
+    # the entries (or the error) go to rank 0.
     local_error: Exception | None = None
     try:
         staged = tuple(_stage(store, plan, state, comm.rank, allow_pickle))
@@ -230,11 +231,7 @@ def _save(
     except Exception as e:
         local_error, report = e, Staged.failure(comm.rank, e)
     tiers = store.tiers
-    if tiers is not None and store.options.replicas:
-        try:
-            send_to_peer(comm, tiers, step, report.entries)
-        except CheckpointError as e:
-            local_error, report = e, Staged.failure(comm.rank, e)
+    peers = _peer_comm(comm) if tiers is not None and store.options.replicas else None
     try:
         reports = comm.gather(report)
     except RuntimeError:
@@ -242,7 +239,7 @@ def _save(
             coordinator.discard()
         raise
     # 3. Rank 0 commits, or discards; everyone learns which, and each node commits it in its
-    # local tier too (tiers.py).
+    # local tier too (tiers.py) and copies its files to the next rank's (peers.py), behind.
     outcome: CheckpointInfo | CheckpointError | None = None
     if coordinator is not None and reports is not None:
         try:
@@ -253,12 +250,25 @@ def _save(
     if isinstance(outcome, CheckpointInfo):
         if tiers is not None and comm.rank != 0:
             tiers.join(outcome.manifest)
+        if tiers is not None and peers is not None:  # a copy in the next rank's node
+            entries = report.entries
+            tiers.to_peer(step, lambda: send_to_peer(peers, tiers, step, entries))
         return outcome
     if tiers is not None and comm.rank != 0:  # rank 0 discarded what it sees, not this node
         tiers.local.remover.discard_attempts(step, {e.attempt for e in report.entries if e.attempt})
     if outcome is None:  # unreachable: rank 0 always sends one
         outcome = CheckpointError(f"step {step}: rank 0 sent no outcome")
     raise outcome from local_error
+
+
+PEER_TIMEOUT = 600.0
+"""Seconds a copy to a peer node (peers.py) waits for its peer before it gives up."""
+
+
+def _peer_comm(comm: Collectives) -> Collectives:
+    """Collectives of a group of their own for peer copies, which run in a background thread
+    beside the save's collectives (made once per process, by every rank at the same point)."""
+    return Collectives(comm.group if comm.active else None, timeout=PEER_TIMEOUT)
 
 
 def _step_context(store_uri: str, step: int) -> ErrorContext:
@@ -323,7 +333,7 @@ def load_distributed(
         status: tuple[str, str] | None = None
         try:
             if tiers is not None and store.options.replicas:
-                recover_from_peer(comm, tiers, offer, _paths_of(offer, comm.rank))
+                recover_from_peer(_peer_comm(comm), tiers, offer, _paths_of(offer, comm.rank))
             state = _read_rank(store, offer, comm.rank, allow_pickle)
         except VERIFY_ERRORS as e:
             local_error, status = e, ("corrupt", describe(e))

@@ -9,10 +9,11 @@ reads from the bucket only what no peer holds.
 
 Both halves are collectives: every rank calls them at the same point, whatever happened
 locally (a rank with nothing to send sends an empty list), so a failure never leaves a peer
-waiting. Files travel as pickled bytes over the save's process group, one rank's share at a
-time; the ranks alternate sending and receiving (even ranks send first) so that a ring of any
-size cannot deadlock. What arrives is written as it came and checked when read: every read
-verifies the bytes against the manifest (a peer's copy is never trusted for being a peer's).
+waiting. Each rank first tells its receiver which files come (keys and sizes, a small object
+message; even ranks send first, so a ring of any size cannot deadlock), then every file
+travels as a raw byte tensor, read straight into it, with all sends and receives posted at
+once. What arrives is written as it came and checked when read: every read verifies the bytes
+against the manifest (a peer's copy is never trusted for being a peer's).
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+
 from ckptstore.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from ckptstore.backends.base import Backend
     from ckptstore.distributed import Collectives
     from ckptstore.info import CheckpointInfo
     from ckptstore.manifest import FileEntry
@@ -31,8 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Files = list[tuple[str, bytes]]
-"""Object keys in the local tier and their bytes."""
+Files = list[tuple[str, torch.Tensor]]
+"""Object keys in the local tier and their bytes, as uint8 tensors."""
 
 
 def send_to_peer(
@@ -43,36 +48,38 @@ def send_to_peer(
     if comm.size == 1:
         return
     backend = tiers.local.catalog.backend
-    mine: Files = [(e.key(step), bytes(backend.read(e.key(step)))) for e in staged]
-    received = _ring(comm, mine, to=_next(comm), source=_previous(comm))
-    for key, data in received:
-        backend.write(key, [data])
+    mine = [(e.key(step), _read(backend, e.key(step), e.size)) for e in staged]
+    for key, data in _exchange(comm, mine, to=_next(comm), source=_previous(comm)):
+        backend.write(key, [_bytes(data)])
 
 
 def recover_from_peer(
     comm: Collectives, tiers: Persister, info: CheckpointInfo, paths: Sequence[str]
 ) -> int:
     """Load side: the files of ``paths`` (this rank's part of ``info``'s step) that this
-    node's local tier lacks, or holds with bytes that fail their check, are asked of the next
+    node's local tier lacks or holds with another size (one listing) are asked of the next
     rank, whose node holds this rank's peer copies, and written into this node's local tier.
-    Every rank calls it; returns how many files this rank recovered."""
+    A peer sends only copies that pass their check. Every rank calls it; returns how many
+    files this rank recovered."""
     if comm.size == 1:
         return 0
     local = tiers.local.catalog
     step = info.step
-    wanted = [p for p in paths if not _good(tiers, info, p)]
+    here = local.payload_sizes(step)
+    wanted = [p for p in paths if here.get(_entry(info, p).key(step)) != _entry(info, p).size]
     asks = comm.all_gather(wanted)
-    asked_of_me = asks[_previous(comm)]  # the previous rank's copies are here
     answer: Files = []
-    for path in asked_of_me:
-        entry = info.manifest.file(path)
-        if _good(tiers, info, path):
-            answer.append((entry.key(step), bytes(local.backend.read(entry.key(step)))))
-    received = _ring(
-        comm, answer, to=(comm.rank - 1) % comm.size, source=(comm.rank + 1) % comm.size
-    )
-    for key, data in received:
-        local.backend.write(key, [data])
+    for path in asks[_previous(comm)]:  # the previous rank's copies are on this node
+        entry = _entry(info, path)
+        try:
+            data = local.read_verified(step, entry)
+        except CheckpointError as e:
+            log.warning("%s; not sent to rank %d", e, _previous(comm))
+            continue
+        answer.append((entry.key(step), torch.frombuffer(bytearray(data), dtype=torch.uint8)))
+    received = _exchange(comm, answer, to=_previous(comm), source=_next(comm))
+    for key, tensor in received:
+        local.backend.write(key, [_bytes(tensor)])
     if wanted:
         log.warning("%s: %d of %d files of step %d were missing here; %d came from rank %d, "
                     "the peer holding their copies; any other is read from the durable tier",
@@ -81,24 +88,43 @@ def recover_from_peer(
     return len(received)
 
 
-def _good(tiers: Persister, info: CheckpointInfo, path: str) -> bool:
-    """Whether this node's local tier holds ``path`` of ``info``'s step with the right bytes."""
-    try:
-        tiers.local.catalog.read_verified(info.step, info.manifest.file(path))
-    except CheckpointError:
-        return False
-    return True
+def _entry(info: CheckpointInfo, path: str) -> FileEntry:
+    return info.manifest.file(path)
 
 
-def _ring(comm: Collectives, outgoing: Files, *, to: int, source: int) -> Files:
-    """Send ``outgoing`` to rank ``to`` and receive from rank ``source`` (group ranks); even
-    ranks send first, odd ranks receive first, so no ring waits on itself."""
+def _read(backend: Backend, key: str, size: int) -> torch.Tensor:
+    """A file read straight into a uint8 tensor (no second copy)."""
+    out = torch.empty(size, dtype=torch.uint8)
+    if size:
+        backend.read_into(key, _bytes(out))
+    return out
+
+
+def _bytes(data: torch.Tensor) -> memoryview:
+    """A uint8 tensor's memory, shared."""
+    return memoryview(data.numpy())  # type: ignore[arg-type]
+
+
+def _exchange(comm: Collectives, outgoing: Files, *, to: int, source: int) -> Files:
+    """Send ``outgoing`` to group rank ``to`` and receive what group rank ``source`` sends:
+    first the keys and sizes (even ranks send first, odd ranks receive first, so no ring
+    waits on itself), then every file at once."""
+    sizes = [(key, data.numel()) for key, data in outgoing]
     if comm.rank % 2 == 0:
-        comm.send(outgoing, to)
-        return comm.receive(source)  # type: ignore[no-any-return]
-    received = comm.receive(source)
-    comm.send(outgoing, to)
-    return received  # type: ignore[no-any-return]
+        comm.send(sizes, to)
+        incoming: list[tuple[str, int]] = comm.receive(source)
+    else:
+        incoming = comm.receive(source)
+        comm.send(sizes, to)
+    received = [(key, torch.empty(size, dtype=torch.uint8)) for key, size in incoming]
+    ops = [dist.P2POp(dist.isend, data, comm.global_rank(to), comm.group)
+           for _, data in outgoing if data.numel()]  # fmt: skip
+    ops += [dist.P2POp(dist.irecv, data, comm.global_rank(source), comm.group)
+            for _, data in received if data.numel()]  # fmt: skip
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return received
 
 
 def _next(comm: Collectives) -> int:

@@ -219,6 +219,8 @@ class Persister:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         self._pool_shares = ThreadPoolExecutor(1, thread_name_prefix="ckpt-share")
         """Shares run beside persists: a persist waits for this process's own shares."""
+        self._pool_peers = ThreadPoolExecutor(1, thread_name_prefix="ckpt-peer")
+        """Copies to a peer node (peers.py), in the order of the steps, beside the others."""
         self._pending: list[Future[None]] = []
 
     @property
@@ -432,6 +434,25 @@ class Persister:
                 self._copying.discard(step)
                 self.local.pins.release(step)
 
+    def to_peer(self, step: int, copy: Callable[[], None]) -> None:
+        """Run ``copy`` (peers.py: this node's files of ``step`` to a peer node) in the
+        background, after the copies before it; the step stays in the local tier meanwhile.
+        A failure is logged: the step is still in this node's tier and on its way to the
+        durable one."""
+        self.local.pins.hold(step)
+
+        def run() -> None:
+            try:
+                copy()
+            except Exception as e:
+                log.warning("%s: the peer copy of step %d failed; a lost node resumes it from "
+                            "the durable tier instead: %s", self.local.uri, step, e)  # fmt: skip
+            finally:
+                self.local.pins.release(step)
+
+        with self._lock:
+            self._pending.append(self._pool_peers.submit(run))
+
     def _failed(self, step: int, error: CheckpointError) -> None:
         log.error("%s: step %d stays in the local tier %s; persisting it failed (retried when "
                   "the store is opened again, unless a later step is durable first): %s",
@@ -474,6 +495,7 @@ class Persister:
         finally:
             self._pool.shutdown(wait=True)
             self._pool_shares.shutdown(wait=True)
+            self._pool_peers.shutdown(wait=True)
 
     def _newest_local(self) -> int | None:
         from ckptstore.resolver import Resolver
