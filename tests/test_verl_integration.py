@@ -35,6 +35,7 @@ from ckptstore.integrations.verl import (
 )
 from ckptstore.integrations.verl_nodes import LocalFleet, NodeAgent, assign_files
 from ckptstore.layout import VERL_TRACKER_NAME
+from ckptstore.options import StoreOptions
 
 HAVE_VERL = importlib.util.find_spec("verl") is not None
 HAVE_RAY = importlib.util.find_spec("ray") is not None
@@ -583,3 +584,38 @@ def test_a_failed_commit_lets_training_go_on_and_three_in_a_row_stop_it(
     with pytest.raises(CheckpointError, match="3 verl saves in a row could not be committed"):
         cb.on_save(global_step=6, checkpoint_dir=str(nodes[0] / "global_step_6"))
     cb.close()
+
+
+def test_with_local_tiers_every_node_commits_locally_and_due_steps_persist_behind(
+    tmp_path: Path, uri: str
+) -> None:
+    """trainer.ckptstore.local: each node stages its share in its own local tier (the core's
+    tiers), every node commits each step there, and the store's persist_every decides which
+    reach the store, in the background; the last step of training always does."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    tiers = [tmp_path / "tier0", tmp_path / "tier1"]
+    config = verl_config(nodes[0], uri, local=str(tiers[0]), persist_every=2)
+    store = VerlStoreConfig.from_verl(config).open()
+    assert store.tiers is not None and store.options.persist_every == 2
+    node1 = NodeAgent(
+        str(nodes[1]), uri, options=StoreOptions(local=str(tiers[1]), persist_every=2)
+    )
+    fleet = LocalFleet({"n0": NodeAgent(str(nodes[0]), uri, store=store), "n1": node1}, "n0")
+    cb = CkptstoreCallback(config, store=store, fleet=fleet)
+    for step in range(1, 6):
+        fake_save(nodes, step)
+        cb.on_save(
+            Trainer(), global_step=step, checkpoint_dir=str(nodes[0] / f"global_step_{step}")
+        )
+        for tier in tiers:  # committed on every node's local tier when on_save returns
+            with CheckpointStore(str(tier), lease=False) as local:
+                assert local.latest() is not None and local.latest().step == step  # type: ignore[union-attr]
+    cb.close()
+    node1.store.close()
+    with CheckpointStore(uri, lease=False) as durable:
+        assert [i.step for i in durable.list()] == [2, 4, 5]  # due steps, and the last one
+        assert durable.verify(5).ok
+        paths = {f.path for f in durable.info(5).files}
+    assert "actor/model_world_size_2_rank_1.pt" in paths  # node 1's share reached the store
+    with CheckpointStore(str(tiers[1]), lease=False) as local:
+        assert [i.step for i in local.list()] == [4, 5]  # local_keep_last (default 2)

@@ -11,6 +11,7 @@ start without it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore import layout
-from ckptstore.backends.base import join
+from ckptstore.backends.base import Backend, join
 from ckptstore.backends.fsutil import move_into_place, unlink_quietly, write_temp
 from ckptstore.catalog import Catalog
 from ckptstore.deadline import map_in_context, submit
@@ -139,7 +140,7 @@ def read_all(catalog: Catalog, info: CheckpointInfo) -> dict[str, memoryview]:
 
 
 def download_step(
-    catalog: Catalog,
+    tiers: Sequence[Catalog],
     info: CheckpointInfo,
     target: Path,
     progress: Progress | None,
@@ -156,7 +157,9 @@ def download_step(
     about ``CHUNK_SIZE * PULL_CONCURRENCY``) into a temp file while its size, CRC32C and
     SHA-256 (where the manifest has one) are computed, and is renamed to its name only after
     they matched the manifest: the checks and errors of :func:`~ckptstore.verified.check_file`.
-    One listing first checks every object's size, as ``read_all`` does.
+    One listing per tier first finds each file where it has its size, in the fastest of
+    ``tiers`` (one catalog for a plain store; a node's local tier then the durable one: a
+    node fetches from the bucket only what its local tier lacks), as ``read_all`` does.
     """
     takes = path_filter(include, exclude)
     entries = [f for f in info.files if takes(f.path)]
@@ -169,14 +172,19 @@ def download_step(
             uri=info.uri,
             step=info.step,
         )
-    backend = catalog.backend
-    _check_sizes(catalog, info.step, entries)  # a missing or resized file: before any download
+    where_from = _locate(tiers, info.step, entries)  # before any download
     stop = threading.Event()
 
-    with ChunkReader(backend.read, stop=stop) as reader:
+    backends = {id(b): b for b in where_from.values()}
+    with contextlib.ExitStack() as stack:  # one reader (and memory bound) per tier read from
+        readers = {
+            i: stack.enter_context(ChunkReader(b.read, stop=stop)) for i, b in backends.items()
+        }
 
         def fetch(entry: FileEntry, dest: Path) -> None:
             path = entry.key(info.step)
+            backend = where_from[path]
+            reader = readers[id(backend)]
             where = join(backend.uri, path)
             check = StreamCheck(entry, where=where, step=info.step)
             try:
@@ -194,16 +202,31 @@ def download_step(
         download_dir(entries, target, fetch, force=force, delete=delete, selected=takes, stop=stop)
 
 
-def _check_sizes(catalog: Catalog, step: int, entries: Iterable[FileEntry]) -> None:
-    """One listing: every file of ``entries`` is there with its manifest size."""
-    sizes = catalog.payload_sizes(step)
-    for entry in entries:
-        path = entry.key(step)
-        actual = sizes.get(path)
+def _locate(
+    tiers: Sequence[Catalog], step: int, entries: Iterable[FileEntry]
+) -> dict[str, Backend]:
+    """The backend to read each file of ``entries`` from (by its key): the fastest tier
+    that holds it with its manifest size (one listing per tier, until every file is found).
+    A file no tier holds whole is an error about the last tier, the durable one."""
+    left = {e.key(step): e for e in entries}
+    found: dict[str, Backend] = {}
+    *faster, durable = tiers
+    for catalog in faster:
+        sizes = catalog.payload_sizes(step)
+        for key in [k for k, e in left.items() if sizes.get(k) == e.size]:
+            found[key] = catalog.backend
+            del left[key]
+        if not left:
+            return found
+    sizes = durable.payload_sizes(step)
+    for key, entry in left.items():
+        actual = sizes.get(key)
         if actual is None:
-            raise missing_file(join(catalog.backend.uri, path), path, step)
+            raise missing_file(join(durable.backend.uri, key), key, step)
         if actual != entry.size:
-            raise size_mismatch(join(catalog.backend.uri, path), actual, entry.size, step, path)
+            raise size_mismatch(join(durable.backend.uri, key), actual, entry.size, step, key)
+        found[key] = durable.backend
+    return found
 
 
 def _passing(

@@ -222,10 +222,12 @@ class CheckpointStore(StoreUpkeep):
         kind: str = KIND_DIRECTORY,
         metadata: Mapping[str, Any] | None = None,
         allow_older: bool = False,
+        persist: bool = False,
     ) -> Coordinator:
         """Begin a multi-process save on its coordinator (coordination.py): hand each
-        participant its cut of ``.plan``, then ``.commit(entries)`` or ``.conclude(reports)``."""
-        step = self._writing(layout.check_step(step))
+        participant its cut of ``.plan``, then ``.commit(entries)`` or ``.conclude(reports)``.
+        ``persist`` as for :meth:`save`."""
+        step = self._writing(layout.check_step(step), persist)
         return self._saver.begin(step, kind, metadata=metadata, allow_older=allow_older)
 
     # fmt: off
@@ -347,6 +349,12 @@ class CheckpointStore(StoreUpkeep):
         return self._local.catalog if self._local is not None and info.tier == LOCAL else (
             self._catalog)  # fmt: skip
 
+    def _tiers_from(self, info: CheckpointInfo) -> tuple[Catalog, ...]:
+        """The tiers to fetch ``info``'s files from: its own and the slower ones (a local
+        copy that failed was left for the durable one, which must not lead back to it)."""
+        tiers = self._resolver.tiers
+        return tiers[tiers.index(self._catalog_of(info)) :]
+
     def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
         """One payload file of a committed step, verified against its manifest; with a local
         tier, its local copy where it is good, else the durable one (tiers.py)."""
@@ -364,7 +372,7 @@ class CheckpointStore(StoreUpkeep):
         check_target(target, force=force or delete)  # before any read
 
         def pull(info: CheckpointInfo) -> None:
-            download_step(self._catalog_of(info), info, target, progress, force=force,
+            download_step(self._tiers_from(info), info, target, progress, force=force,
                           delete=delete, include=include, exclude=exclude)
 
         return self._resolve(step, fallback, pull).info

@@ -135,7 +135,10 @@ class CkptstoreCallback:
                 self.store.delete(step, force=True)
         self._saves_since += 1
         last = step >= getattr(trainer, "total_training_steps", float("inf"))
-        if not self.settings.persist_policy.due(self._saves_since, None, forced=last):
+        tiered = self.store.tiers is not None  # every save commits locally; the store persists
+        if not tiered and not self.settings.persist_policy.due(
+            self._saves_since, None, forced=last
+        ):
             log.info("ckptstore: step %d stays local (persist_every=%s)", step,
                      self.settings.persist_every)  # fmt: skip
             return  # verl's own max_actor_ckpt_to_keep prunes the local copies
@@ -147,8 +150,9 @@ class CkptstoreCallback:
         }
         try:
             info = commit_step(
-                self.store, self.fleet, step, metadata=meta, world_size=self.run.world_size
-            )
+                self.store, self.fleet, step, metadata=meta, world_size=self.run.world_size,
+                persist=last,
+            )  # fmt: skip
         except CheckpointError as e:
             self._failed(step, e)
             return  # training goes on; the next save is due at once (persist_every)
@@ -200,12 +204,15 @@ def commit_step(
     *,
     metadata: Mapping[str, Any] | None = None,
     world_size: int | None = None,
+    persist: bool = False,
 ) -> CheckpointInfo:
     """Commit ``global_step_<step>`` as held by the nodes of ``fleet``: the coordinated save
     (coordination.py) with the driver as coordinator and one participant per node; nothing
-    committed on failure."""
+    committed on failure. With local tiers (the store's ``local``), each node stages its
+    share in its own local tier and every node commits the step there; due steps (or
+    ``persist``) reach the store in the background (tiers.py)."""
     with within(store.options.save_timeout):
-        return _commit_step(store, fleet, step, metadata, world_size)
+        return _commit_step(store, fleet, step, metadata, world_size, persist)
 
 
 def _commit_step(
@@ -214,8 +221,9 @@ def _commit_step(
     step: int,
     metadata: Mapping[str, Any] | None,
     world_size: int | None,
+    persist: bool,
 ) -> CheckpointInfo:
-    coordinator = store.begin_save(step, kind=KIND_DIRECTORY, metadata=metadata)
+    coordinator = store.begin_save(step, kind=KIND_DIRECTORY, metadata=metadata, persist=persist)
     nodes = fleet.nodes()
     shares = assign_files(fleet.call("list_step", {n: (step,) for n in nodes}), step)
     check_complete([p for paths in shares.values() for p in paths], step)
@@ -226,7 +234,10 @@ def _commit_step(
         coordinator.discard()
         raise
     named = [replace(report, participant=f"node {node}") for node, report in reports.items()]
-    return coordinator.conclude(named, world_size=world_size, coordinator="the driver")
+    info = coordinator.conclude(named, world_size=world_size, coordinator="the driver")
+    if store.tiers is not None:  # every other node commits it in its local tier too
+        fleet.call("join", {n: (info.manifest,) for n in nodes if n != fleet.driver})
+    return info
 
 
 def _verl_version() -> str | None:

@@ -25,7 +25,7 @@ UPLOAD_MODES = ("auto", "driver", "per_node")
 STORE_KEYS = (
     "keep_last", "keep_every", "keep_best", "best_metric", "best_mode", "keep_every_seconds",
     "storage_options", "compat", "incremental", "lease", "takeover", "lease_ttl", "save_timeout",
-    "load_timeout",
+    "load_timeout", "local", "local_keep_last", "persist_interval_seconds",
 )  # fmt: skip
 """The :class:`~ckptstore.options.StoreOptions` a verl config may set (policy objects and the
 signing key stay out of YAML: set the key in the environment)."""
@@ -49,7 +49,9 @@ class VerlStoreConfig:
     """Delete local step directories beyond ``max_actor_ckpt_to_keep`` once committed."""
     persist_every: int | None = None
     """Commit every this many verl saves to the store (and the last step of training); the
-    others stay in ``trainer.default_local_dir``, verl's own local tier."""
+    others stay in ``trainer.default_local_dir``, verl's own local tier. With ``local`` (a
+    local tier of the store on every node), every save commits there and this is the store's
+    own ``persist_every``: the due steps reach the store in the background (tiers.py)."""
     max_failed_saves: int = 3
     """A commit that fails is logged and training goes on; this many in a row raise."""
 
@@ -107,6 +109,8 @@ class VerlStoreConfig:
         if "uri" not in values:
             raise ConfigError(f"{SECTION}.uri is required: the store's URI, like s3://bucket/run")
         stored = {k: v for k, v in values.items() if k in STORE_KEYS}
+        if "local" in stored and "persist_every" in values:  # the store's tiers decide
+            stored["persist_every"] = values.pop("persist_every")
         try:
             options = StoreOptions.from_mapping(stored, spelling=VERL)
         except ConfigError as e:

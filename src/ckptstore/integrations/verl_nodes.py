@@ -22,6 +22,7 @@ an interrupted pull never leaves a ``global_step_N`` that verl would take for a 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -42,7 +43,8 @@ from ckptstore.errors import (
 from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.verl_config import SECTION, VerlRun, VerlStoreConfig
 from ckptstore.integrations.verl_steps import assign_files, check_complete
-from ckptstore.manifest import FileEntry
+from ckptstore.manifest import FileEntry, Manifest
+from ckptstore.options import StoreOptions
 from ckptstore.payload import SourceFile, iter_file
 from ckptstore.store import CheckpointStore
 
@@ -56,8 +58,9 @@ earlier versions, named ``.ckptstore-pull-*``): never pushed."""
 class NodeAgent:
     """One node's view of ``local_dir`` (verl's ``trainer.default_local_dir``).
 
-    ``store`` is opened lazily from ``uri`` and ``storage_options``, without the writer lease:
-    agents stage and read, only the driver commits.
+    ``store`` is opened lazily from ``uri`` and ``storage_options`` (or the store's
+    ``options``: with ``local``, this node's local tier), without the writer lease: agents
+    stage and read, only the driver commits.
     """
 
     def __init__(
@@ -67,16 +70,18 @@ class NodeAgent:
         storage_options: Mapping[str, Any] | None = None,
         *,
         store: CheckpointStore | None = None,
+        options: StoreOptions | None = None,
     ) -> None:
         self.local_dir = Path(local_dir)
         self._uri = uri
-        self._options = dict(storage_options or {})
+        self._options = options or StoreOptions(storage_options=dict(storage_options or {}))
         self._store = store
 
     @property
     def store(self) -> CheckpointStore:
         if self._store is None:
-            self._store = CheckpointStore(self._uri, storage_options=self._options, lease=False)
+            options = dataclasses.replace(self._options, lease=False, takeover=False)
+            self._store = CheckpointStore(self._uri, options=options)
         return self._store
 
     def step_dir(self, step: int) -> Path:
@@ -101,7 +106,16 @@ class NodeAgent:
                 files.append(SourceFile(rel, _reader(path), path.stat().st_size))
             return self.store.stage_files(plan.step, files, plan=plan)
 
-        return Staged.of("node", stage)
+        tiers = self.store.tiers
+        return dataclasses.replace(
+            Staged.of("node", stage), tier=tiers.local.uri if tiers is not None else None
+        )
+
+    def join(self, manifest: Manifest) -> None:
+        """The driver committed ``manifest``: commit it in this node's local tier too (the
+        store's tiers, tiers.py); nothing without one."""
+        if self.store.tiers is not None:
+            self.store.tiers.join(manifest)
 
     def pull_newest(self, newer_than: int | None) -> tuple[int, tuple[int, ...]]:
         """Pull the step the store's resolver picks (latest, falling back past steps that
@@ -241,14 +255,17 @@ class RayFleet:
         self,
         local_dir: str,
         uri: str,
-        storage_options: Mapping[str, Any],
+        options: Mapping[str, Any] | StoreOptions,
         *,
         agent: type[NodeAgent] = NodeAgent,
     ) -> None:
+        """``options``: the store's (a node's local tier included), or its storage options."""
         import ray
 
         self._ray: Any = ray  # untyped calls (ray.nodes) go through Any
-        self._spec = (local_dir, uri, dict(storage_options))
+        storage = options.storage_options if isinstance(options, StoreOptions) else options
+        self._spec = (local_dir, uri, dict(storage))
+        self._kwargs = {"options": options} if isinstance(options, StoreOptions) else {}
         self._agent = agent
         self._actors: dict[str, Any] = {}
         self._driver = str(ray.get_runtime_context().get_node_id())
@@ -266,7 +283,7 @@ class RayFleet:
             if node not in self._actors:
                 strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
                 self._actors[node] = remote_agent.options(scheduling_strategy=strategy).remote(
-                    *self._spec
+                    *self._spec, **self._kwargs
                 )
         for node in set(self._actors) - set(alive):
             del self._actors[node]
@@ -321,7 +338,7 @@ def make_fleet(settings: VerlStoreConfig, run: VerlRun, store: CheckpointStore) 
     if ray_up and settings.upload != "driver":
         alive = [n for n in ray.nodes() if n.get("Alive")]
         if settings.upload == "per_node" or len(alive) > 1:
-            return RayFleet(run.local_dir, settings.uri, settings.storage_options)
+            return RayFleet(run.local_dir, settings.uri, settings.options)
     return LocalFleet({"local": NodeAgent(run.local_dir, store.uri, store=store)})
 
 
