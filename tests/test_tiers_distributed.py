@@ -101,3 +101,71 @@ def test_without_peer_copies_a_lost_node_resumes_from_the_durable_step(
         assert torch.equal(r["state"]["w"], rank_state(rank, 2)["w"])
     assert resumed[0]["payload_gets"] == 0  # node 0 still holds step 2 locally
     assert resumed[1]["payload_gets"] > 0  # node 1 reads its share of step 2 from the bucket
+
+
+def _dcp_save(
+    rank: int, world: int, uri: str, options: dict[str, Any], locals_: list[Path]
+) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.integrations.dcp import CkptStoreWriter
+
+    store, _ = open_node(uri, options, locals_[rank], rank, persist_every=2)
+    for step in (1, 2, 3):
+        dcp.save(sharded(world, step), storage_writer=CkptStoreWriter(store, step))
+    store.close()  # rank 0: the last step is made durable, once every node's share is there
+    return sorted(p.name for p in locals_[rank].iterdir() if p.name.startswith("global_step"))
+
+
+def _dcp_load(
+    rank: int, world: int, uri: str, options: dict[str, Any], locals_: list[Path]
+) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.integrations.dcp import CkptStoreReader
+
+    store, counting = open_node(uri, options, locals_[rank], rank)
+    state = sharded(world, 0)
+    counting.take()
+    reader = CkptStoreReader(store)
+    dcp.load(state, storage_reader=reader)
+    store.close()
+    assert reader.info is not None
+    return {
+        "step": reader.info.step,
+        "w": state["w"].to_local(),
+        "payload_gets": counting.take()["other GET"],
+    }
+
+
+def full_w(step: int) -> torch.Tensor:
+    return torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16) + step * 10_000
+
+
+def sharded(world: int, step: int) -> dict[str, Any]:
+    """Rows split over the ranks (each rank saves its own file); zeros for step 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_w(step) if step else torch.zeros(64, 16)
+    return {"w": distribute_tensor(full, mesh, [Shard(0)])}
+
+
+def test_dcp_saves_through_the_local_tiers_and_a_wiped_node_reads_only_its_share(
+    s3_uri: str, s3_options: dict[str, Any], tmp_path: Path
+) -> None:
+    """The DCP writer stages each rank's file in its node's local tier; due steps (2, and 3,
+    the last) reach the bucket from every node's share; the reader takes each file from the
+    node's local tier where it is good, and only node 1, wiped, reads from the bucket."""
+    locals_ = [tmp_path / f"node{r}" for r in range(2)]
+    held = run_ranks(_dcp_save, 2, tmp_path / "save", s3_uri, s3_options, locals_)
+    assert bucket_steps(s3_uri, s3_options) == [2, 3]
+    assert held[1] == ["global_step_2", "global_step_3"]  # node 1 keeps local_keep_last steps
+    shutil.rmtree(locals_[1])
+    loaded = run_ranks(_dcp_load, 2, tmp_path / "load", s3_uri, s3_options, locals_)
+    for rank, r in enumerate(loaded):
+        assert r["step"] == 3
+        assert torch.equal(r["w"], full_w(3).chunk(2)[rank])
+    assert loaded[0]["payload_gets"] == 0  # node 0 read its file and .metadata locally
+    assert loaded[1]["payload_gets"] > 0  # node 1 fetched only what it lost

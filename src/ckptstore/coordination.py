@@ -94,7 +94,8 @@ class Saver(Protocol):
         ...
 
     def share(self, plan: Plan, entries: Sequence[FileEntry]) -> None:
-        """A participant's files of a due step: persist them in the background (saving.py)."""
+        """A participant staged ``entries``: with local tiers, persist them in the background
+        if the step is due, and keep the node's tier within its retention (saving.py)."""
         ...
 
     def advance_latest(self, step: int, *, epoch: int, newest_before: int | None) -> None:
@@ -157,10 +158,17 @@ class Staged:
     where it can see them; each participant saw its own written whole."""
 
     @classmethod
-    def of(cls, participant: int | str, stage: Callable[[], Iterable[FileEntry]]) -> Staged:
-        """Run ``stage``; never raises (the failure is logged and reported as text)."""
+    def of(
+        cls,
+        participant: int | str,
+        stage: Callable[[], Iterable[FileEntry]],
+        *,
+        tier: str | None = None,
+    ) -> Staged:
+        """Run ``stage`` (staging into ``tier``, when not the coordinator's store); never
+        raises (the failure is logged and reported as text)."""
         try:
-            return cls(participant, tuple(stage()))
+            return cls(participant, tuple(stage()), tier=tier)
         except Exception as e:
             return cls.failure(participant, e)
 
@@ -186,15 +194,16 @@ def stage(
     share: bool = True,
 ) -> list[FileEntry]:
     """A participant's part: upload ``files`` into an attempt of their own, uncommitted, by
-    the save's deadline (the store's ``save_timeout``; ``rank`` names it in a timeout); of a
-    due step in a store with local tiers, persist them in the background (``share``).
+    the save's deadline (the store's ``save_timeout``; ``rank`` names it in a timeout); in a
+    store with local tiers, hand them to the tiers (``share``: persisted in the background
+    when the step is due).
     Checks nothing the coordinator checked in :meth:`Coordinator.begin`."""
     previous = plan.previous if saver.incremental else None
     with within(saver.save_timeout, rank=rank):
         entries = saver.committer.write_payload(
             plan.step, files, progress, previous=previous, epoch=plan.epoch, save=plan.save
         )
-    if share and plan.due:
+    if share:
         saver.share(plan, entries)
     return entries
 

@@ -227,7 +227,7 @@ def _save(
     local_error: Exception | None = None
     try:
         staged = tuple(_stage(store, plan, state, comm.rank, allow_pickle))
-        report = Staged(comm.rank, staged, tier=store.tiers.local.uri if store.tiers else None)
+        report = Staged(comm.rank, staged, tier=store.local_uri)
     except Exception as e:
         local_error, report = e, Staged.failure(comm.rank, e)
     tiers = store.tiers

@@ -115,9 +115,9 @@ class Saver:
         return self.tiers is not None and self.tiers.decide(step)
 
     def share(self, plan: Plan, entries: Sequence[FileEntry]) -> None:
-        """A participant's files of a due step: persist them in the background (tiers.py)."""
+        """A participant staged ``entries`` in the local tier (tiers.py)."""
         if self.tiers is not None:
-            self.tiers.share(plan, entries)
+            self.tiers.staged(plan, entries)
 
     def hold_lease(self) -> int:
         """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""

@@ -132,6 +132,11 @@ class CheckpointStore(StoreUpkeep):
         return self._tiers
 
     @property
+    def local_uri(self) -> str | None:
+        """The local tier's URI (where this process stages its files), if the store has one."""
+        return self._local.uri if self._local is not None else None
+
+    @property
     def shard_size(self) -> int:
         """Tensor bytes per safetensors file; a state's files are written in parallel."""
         return self._saver.shard_size

@@ -209,6 +209,8 @@ class Persister:
         self._copying: set[int] = set()
         self._failures: dict[int, CheckpointError] = {}
         self._decided: dict[int, bool] = {}
+        self._staged_here: dict[int, tuple[Plan, list[FileEntry]]] = {}
+        """What this process staged as a participant, by step (:meth:`staged`)."""
         self._sharing: dict[int, set[str]] = {}
         """Keys of files this process persists as a participant's share (:meth:`share`)."""
         self._durable_latest: int | None = None
@@ -404,6 +406,25 @@ class Persister:
                 self.local.committer.commit(manifest)
         self.local.committer.advance_latest(manifest.step, epoch=manifest.lease_epoch)
 
+    def staged(self, plan: Plan, entries: Sequence[FileEntry]) -> None:
+        """A participant staged ``entries`` of ``plan.step`` in this node's local tier:
+        share them if the step is due (:meth:`share`), and drop what it staged of older
+        steps that this tier never committed (their manifest is on another node, or nobody
+        committed them), beyond the local retention's count: a node's disk holds no more
+        than its tier keeps, whatever the face tells it of commits."""
+        step = plan.step
+        keep = self.local.pruner.policy.keep_last or DEFAULT_LOCAL_KEEP_LAST
+        with self._lock:
+            self._staged_here.setdefault(step, (plan, []))[1].extend(entries)
+            older = sorted(s for s in self._staged_here if s < step)
+            doomed = {s: self._staged_here.pop(s) for s in older[: max(0, len(older) - keep + 1)]}
+        if plan.due:
+            self.share(plan, entries)
+        busy = set(self.local.pins.steps())
+        for old, (_, files) in doomed.items():
+            if old not in busy and not self.local.catalog.state_of(old, fresh=True).committed:
+                self.local.remover.discard_attempts(old, {f.attempt for f in files if f.attempt})
+
     def share(self, plan: Plan, entries: Sequence[FileEntry]) -> None:
         """A participant's files of a step due for the durable tier, just staged in this
         node's local tier: copy them there in the background, under attempt markers of the
@@ -482,15 +503,20 @@ class Persister:
             raise failures[max(failures)]
 
     def close(self) -> None:
-        """A writer's last local step is always made durable; then wait for every copy
-        (raising as :meth:`wait` does) and stop the thread."""
+        """A writer's last local step is always made durable (a participant shares its files
+        of the last step it staged, which the coordinator's close waits for); then wait for
+        every copy (raising as :meth:`wait` does) and stop the threads."""
         try:
             with self._lock:
                 writing = self._started
+                last = max(self._staged_here, default=None)
+                unshared = last is not None and last not in self._sharing
             if writing:
                 newest = self._newest_local()
                 if newest is not None and not self.durable.catalog.is_committed(newest):
                     self.queue(newest)
+            elif last is not None and unshared:
+                self.share(*self._staged_here[last])
             self.wait()
         finally:
             self._pool.shutdown(wait=True)

@@ -180,7 +180,7 @@ class CkptStoreWriter(StorageWriter):
             results.extend(file.results)
             return entries
 
-        staged = Staged.of(self.rank, stage)
+        staged = Staged.of(self.rank, stage, tier=self.store.local_uri)
         results.append(WriteResult(index=_MARKER, size_in_bytes=0, storage_data=staged))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)

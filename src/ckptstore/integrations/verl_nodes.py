@@ -106,10 +106,7 @@ class NodeAgent:
                 files.append(SourceFile(rel, _reader(path), path.stat().st_size))
             return self.store.stage_files(plan.step, files, plan=plan)
 
-        tiers = self.store.tiers
-        return dataclasses.replace(
-            Staged.of("node", stage), tier=tiers.local.uri if tiers is not None else None
-        )
+        return Staged.of("node", stage, tier=self.store.local_uri)
 
     def join(self, manifest: Manifest) -> None:
         """The driver committed ``manifest``: commit it in this node's local tier too (the
