@@ -77,9 +77,7 @@ class Saver(Protocol):
         """Whether a tier of the store holds ``step`` committed and readable (saving.py)."""
         ...
 
-    def drain(self) -> None:
-        """Wait for the store's save in flight, raising its error."""
-        ...
+    def drain(self) -> None: ...
 
     def environment(self) -> Environment: ...
 
@@ -94,8 +92,7 @@ class Saver(Protocol):
         ...
 
     def share(self, plan: Plan, entries: Sequence[FileEntry]) -> None:
-        """A participant staged ``entries``: with local tiers, persist them in the background
-        if the step is due, and keep the node's tier within its retention (saving.py)."""
+        """A participant staged ``entries`` (in a local tier: node_tier.py)."""
         ...
 
     def advance_latest(self, step: int, *, epoch: int, newest_before: int | None) -> None:
@@ -121,9 +118,8 @@ class Plan:
     """This save's id, in each participant's attempt marker: a discard removes this save's
     attempts and nobody else's (a new lease holder saving the same step, say)."""
     due: bool = False
-    """With local tiers (tiers.py): the step will be due for the durable tier once
-    committed, so each participant persists its share of the files as soon as it staged them,
-    and the coordinator's persist waits for those shares before it commits there."""
+    """With local tiers: the step will be due for the durable tier once committed, so each
+    participant persists its share as soon as it staged it (node_tier.py)."""
 
     def only(self, prefix: str) -> Plan:
         """This plan with the previous files under ``prefix`` (a folder with its ``/``)."""
@@ -153,9 +149,8 @@ class Staged:
     entries: tuple[FileEntry, ...] = ()
     error: str | None = None
     tier: str | None = None
-    """Where the files were staged when that is not the coordinator's store: the URI of the
-    participant's node-local tier (tiers.py). The coordinator confirms only the files staged
-    where it can see them; each participant saw its own written whole."""
+    """The URI of the participant's node-local tier, if any: the coordinator confirms only
+    the files staged where it sees them; each participant saw its own written whole."""
 
     @classmethod
     def of(
@@ -453,62 +448,3 @@ def _ordered(failures: Mapping[int | str, str]) -> list[tuple[int | str, str]]:
         return (isinstance(who, str), who if isinstance(who, int) else 0, str(who))
 
     return sorted(failures.items(), key=key)
-
-
-def persist(
-    saver: Saver, manifest: Manifest, copy: Callable[[int, Sequence[FileEntry]], None]
-) -> CheckpointInfo:
-    """Commit ``manifest``, a step committed in a faster tier of the same store, verbatim in
-    ``saver``'s tier (tiers.py): the coordinated save of one participant whose staging is
-    ``copy(step, files)`` of the files not there yet, by the save's deadline. The same
-    sequence as every save: the writer lease, attempt markers, the files, the fence check, the
-    manifest create-only, ``latest`` forward only, retention. A step already committed there
-    with the same files (a kill after the commit) is done; with other files, a ConflictError.
-    A failure before the manifest removes what was copied."""
-    step = manifest.step
-    with within(saver.save_timeout):
-        epoch = saver.ensure_lease()
-        held = _committed_manifest(saver, step)
-        if held is not None:
-            return _persisted_before(saver, held, manifest)
-        plan = Plan(step, manifest.kind, epoch, Previous(None), secrets.token_hex(8))
-        coordinator = Coordinator(saver, step, manifest.kind, plan, dict(manifest.metadata))
-        attempts = sorted({f.attempt for f in manifest.files if f.attempt is not None})
-        present = saver.catalog.payload_sizes(step)
-        try:
-            for attempt in attempts:  # the markers say whose files these are (garbage.py)
-                saver.committer.begin_attempt(step, epoch, attempt, save=plan.save)
-            copy(step, [f for f in manifest.files if present.get(f.key(step)) != f.size])
-        except BaseException:
-            coordinator.discard(attempts)
-            raise
-        try:
-            return coordinator.publish(manifest.files, lambda _: manifest)
-        except ConflictError:
-            held = _committed_manifest(saver, step)  # a rival persisted it meanwhile?
-            if held is None:
-                raise
-            return _persisted_before(saver, held, manifest)
-
-
-def _committed_manifest(saver: Saver, step: int) -> Manifest | None:
-    if not saver.catalog.state_of(step, fresh=True).committed:
-        return None
-    return saver.catalog.read_manifest(step)
-
-
-def _persisted_before(saver: Saver, held: Manifest, wanted: Manifest) -> CheckpointInfo:
-    """``wanted``'s step is committed in ``saver``'s tier already: done if with the same
-    files (``latest`` still moves forward to it), else a ConflictError."""
-    step = wanted.step
-    if held.files != wanted.files:
-        raise ConflictError(
-            f"step {step} is committed in {saver.uri} with other files than the local tier's; "
-            "committed steps are immutable, so the local copy cannot be persisted. Remove one "
-            f"of them (ckptstore rm {saver.uri} {step}) or keep saving later steps",
-            uri=saver.catalog.uri(layout.step_dir(step)),
-            path=layout.step_dir(step),
-            step=step,
-        )
-    saver.advance_latest(step, epoch=saver.hold_lease(), newest_before=None)
-    return saver.catalog.info_of(held)

@@ -32,13 +32,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
 from ckptstore import layout
 from ckptstore.backends.base import error_context
+from ckptstore.collectives import Collectives
 from ckptstore.compat import check_compat
 from ckptstore.coordination import Coordinator, Plan, Staged, describe
 from ckptstore.deadline import map_in_context, within
@@ -59,8 +59,8 @@ from ckptstore.resolver import VERIFY_ERRORS, Search
 from ckptstore.serialize import SKELETON_FILE, decode_state, encode_state
 
 if TYPE_CHECKING:
+    from ckptstore.persister import Persister
     from ckptstore.store import CheckpointStore
-    from ckptstore.tiers import Persister
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,90 +75,6 @@ COLLECTIVE_MARGIN = 30.0
 """Seconds a collective of a save with a deadline waits past it: a rank whose save failed at
 the deadline (and cleaned up) still reaches the collective, and a rank that never does (hung
 outside ckptstore's I/O) fails every other rank's save this long after the deadline."""
-_TIMED_GROUPS: dict[tuple[tuple[int, ...], float], dist.ProcessGroup] = {}
-
-
-def _timed_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup:
-    """A gloo group over ``group``'s ranks whose collectives give up after ``timeout`` s,
-    made once per process (every rank asks for it at the same point, as it must)."""
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    key = (ranks, timeout)
-    if key not in _TIMED_GROUPS:
-        made = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout), backend="gloo")
-        assert made is not None  # every rank of the group is a member
-        _TIMED_GROUPS[key] = made
-    return _TIMED_GROUPS[key]
-
-
-class Collectives:
-    """The few object collectives the save and load protocols need, over one process group.
-
-    Without an initialized process group it stands for a world of one, so the same code runs
-    (and is tested) in a single process.
-    """
-
-    def __init__(
-        self, group: dist.ProcessGroup | None = None, *, timeout: float | None = None
-    ) -> None:
-        self.active = dist.is_available() and dist.is_initialized()
-        if not self.active and group is not None:
-            raise ConfigError("a process group was given, but torch.distributed is not initialized")
-        if self.active and timeout is not None:
-            group = _timed_group(group, timeout)
-        self.group = group
-        self.rank = dist.get_rank(group) if self.active else 0
-        self.size = dist.get_world_size(group) if self.active else 1
-        self.root = dist.get_global_rank(group, 0) if self.active and group is not None else 0
-        """The global rank of the group's rank 0 (collectives address global ranks)."""
-
-    def broadcast(self, obj: T) -> T:
-        """Rank 0's ``obj``, on every rank."""
-        if not self.active or self.size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.root, group=self.group)
-        return box[0]
-
-    def scatter(self, objs: list[T] | None) -> T:
-        """Rank r's item of rank 0's ``objs`` (one per rank; ``None`` on other ranks)."""
-        if not self.active or self.size == 1:
-            assert objs is not None and len(objs) == self.size
-            return objs[0]
-        out: list[Any] = [None]
-        dist.scatter_object_list(out, objs, src=self.root, group=self.group)
-        return out[0]  # type: ignore[no-any-return]
-
-    def gather(self, obj: T) -> list[T] | None:
-        """Every rank's ``obj``, in rank order, on rank 0; ``None`` elsewhere."""
-        if not self.active or self.size == 1:
-            return [obj]
-        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=self.root, group=self.group)
-        return out
-
-    def send(self, obj: object, to: int) -> None:
-        """Send ``obj`` to group rank ``to`` (it calls :meth:`receive`)."""
-        dist.send_object_list([obj], dst=self.global_rank(to), group=self.group)
-
-    def receive(self, source: int) -> Any:
-        """What group rank ``source`` sends this rank."""
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=self.global_rank(source), group=self.group)
-        return box[0]
-
-    def global_rank(self, rank: int) -> int:
-        """The global rank of group rank ``rank`` (point-to-point calls address those)."""
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
-
-    def all_gather(self, obj: T) -> list[T]:
-        """Every rank's ``obj``, in rank order, on every rank."""
-        if not self.active or self.size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-
 # -- saving ---------------------------------------------------------------------------------
 
 
@@ -230,8 +146,6 @@ def _save(
         report = Staged(comm.rank, staged, tier=store.local_uri)
     except Exception as e:
         local_error, report = e, Staged.failure(comm.rank, e)
-    tiers = store.tiers
-    peers = _peer_comm(comm) if tiers is not None and store.options.replicas else None
     try:
         reports = comm.gather(report)
     except RuntimeError:
@@ -247,15 +161,9 @@ def _save(
         except CheckpointError as e:
             outcome = e
     outcome = comm.broadcast(outcome)
+    _settle_tiers(store, comm, step, outcome, report)
     if isinstance(outcome, CheckpointInfo):
-        if tiers is not None and comm.rank != 0:
-            tiers.join(outcome.manifest)
-        if tiers is not None and peers is not None:  # a copy in the next rank's node
-            entries = report.entries
-            tiers.to_peer(step, lambda: send_to_peer(peers, tiers, step, entries))
         return outcome
-    if tiers is not None and comm.rank != 0:  # rank 0 discarded what it sees, not this node
-        tiers.local.remover.discard_attempts(step, {e.attempt for e in report.entries if e.attempt})
     if outcome is None:  # unreachable: rank 0 always sends one
         outcome = CheckpointError(f"step {step}: rank 0 sent no outcome")
     raise outcome from local_error
@@ -269,6 +177,34 @@ def _peer_comm(comm: Collectives) -> Collectives:
     """Collectives of a group of their own for peer copies, which run in a background thread
     beside the save's collectives (made once per process, by every rank at the same point)."""
     return Collectives(comm.group if comm.active else None, timeout=PEER_TIMEOUT)
+
+
+def _settle_tiers(
+    store: CheckpointStore,
+    comm: Collectives,
+    step: int,
+    outcome: CheckpointInfo | CheckpointError | None,
+    report: Staged,
+) -> None:
+    """With local tiers, after every rank learned the outcome: each other node commits the
+    step in its tier too and every node copies its files to the next rank's (behind the
+    save); or each other node drops what it staged (rank 0 discarded only what it sees)."""
+    tiers = store.tiers
+    if tiers is None:
+        return
+    node = tiers.node
+    peers = _peer_comm(comm) if store.options.replicas else None  # every rank, every save
+    if not isinstance(outcome, CheckpointInfo):
+        if comm.rank != 0:
+            node.local.remover.discard_attempts(
+                step, {e.attempt for e in report.entries if e.attempt}
+            )
+        return
+    if comm.rank != 0:
+        node.join(outcome.manifest)
+    if peers is not None:
+        entries = report.entries
+        node.to_peer(step, lambda: send_to_peer(peers, node, step, entries))
 
 
 def _step_context(store_uri: str, step: int) -> ErrorContext:
@@ -333,7 +269,7 @@ def load_distributed(
         status: tuple[str, str] | None = None
         try:
             if tiers is not None and store.options.replicas:
-                recover_from_peer(_peer_comm(comm), tiers, offer, _paths_of(offer, comm.rank))
+                recover_from_peer(_peer_comm(comm), tiers.node, offer, _paths_of(offer, comm.rank))
             state = _read_rank(store, offer, comm.rank, allow_pickle)
         except VERIFY_ERRORS as e:
             local_error, status = e, ("corrupt", describe(e))
@@ -344,7 +280,7 @@ def load_distributed(
         if not bad:
             store.last_loaded = offer
             if tiers is not None:  # this node's local tier holds the step whole again
-                tiers.hold(offer.manifest)
+                tiers.node.hold(offer.manifest)
             return state
         listed = "; ".join(f"rank {r}: {text}" for r, (_, text) in sorted(bad.items()))
         if any(kind == "error" for kind, _ in bad.values()):

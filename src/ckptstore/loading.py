@@ -157,9 +157,8 @@ def download_step(
     about ``CHUNK_SIZE * PULL_CONCURRENCY``) into a temp file while its size, CRC32C and
     SHA-256 (where the manifest has one) are computed, and is renamed to its name only after
     they matched the manifest: the checks and errors of :func:`~ckptstore.verified.check_file`.
-    One listing per tier first finds each file where it has its size, in the fastest of
-    ``tiers`` (one catalog for a plain store; a node's local tier then the durable one: a
-    node fetches from the bucket only what its local tier lacks), as ``read_all`` does.
+    One listing per tier first finds each file in the fastest of ``tiers`` that holds it with
+    its size (a node's local tier, then the durable one: only what the node lacks is fetched).
     """
     takes = path_filter(include, exclude)
     entries = [f for f in info.files if takes(f.path)]

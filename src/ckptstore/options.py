@@ -6,12 +6,20 @@ value and every rule between values when it is made, naming each option the way 
 spells it (:data:`PYTHON`, :data:`CLI`, :data:`VERL`), so a typo fails at start with the name
 the user typed. The store, the CLI and the verl integration read the result and check nothing
 again.
+
+A name that is no option is refused with the closest one (``keep_lst``: did you mean
+``keep_last``?); a storage option of the S3 backend given beside the store's options
+(``stall_timeout=1``) is refused with where it goes (``storage_options={"stall_timeout": 1}``).
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
+import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
@@ -53,6 +61,8 @@ class StoreOptions:
     retention: Policy | Sequence[Policy] | None = None
     """Retention policy objects of your own (retention.py), kept by union with the rest."""
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    """The backend's own options (S3: ``endpoint_url``, ``part_size``, ``stall_timeout``, ...);
+    ``None`` is none, as in fsspec."""
     compat: str = "warn"
     shard_size: int = layout.DEFAULT_SHARD_SIZE
     incremental: bool = True
@@ -90,6 +100,8 @@ class StoreOptions:
             spelling=name,
         )
         object.__setattr__(self, "_policy", policy)
+        if self.storage_options is None:  # fsspec's and every caller's "no options"
+            object.__setattr__(self, "storage_options", {})
         if not isinstance(self.storage_options, Mapping) or not all(
             isinstance(k, str) for k in self.storage_options
         ):
@@ -173,14 +185,132 @@ class StoreOptions:
     def from_mapping(cls, values: Mapping[str, Any], *, spelling: Spelling) -> StoreOptions:
         """From a face's key-value pairs (verl's section, say); unknown keys are refused by
         name, with the known ones listed."""
-        known = cls.names()
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"unknown option(s) {', '.join(map(spelling, unknown))}; known: "
-                f"{', '.join(map(spelling, known))}"
-            )
+        refuse_unknown(values, cls.names(), spelling=spelling)
         return cls(**values, spelling=spelling)
+
+    @classmethod
+    def from_call(
+        cls,
+        function: Callable[..., Any],
+        arguments: Mapping[str, Any],
+        options: StoreOptions | None = None,
+    ) -> StoreOptions:
+        """The options a call of ``function`` (``CheckpointStore.__init__``) was given.
+
+        ``function`` has one keyword-only parameter per field, so IDEs and type checkers see
+        every option, and a ``**`` parameter that only catches names that are no option, to
+        refuse them here (the closest known name suggested). ``arguments`` are its
+        ``locals()`` at entry: every field is read from there by its name, so a field the
+        signature lacks fails every call at once, never silently. ``options``, an object
+        given whole, is returned as it is, unless a keyword option was given too (refused).
+        """
+        parameters = _parameters(function)
+        missing = [name for name in cls.names() if name not in parameters]
+        if missing:  # a new field, not added to the signature: a bug of ours, not the caller's
+            raise TypeError(
+                f"{function.__qualname__} lacks a keyword parameter for StoreOptions' "
+                f"{', '.join(missing)}"
+            )
+        rest = [p.name for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+        extra: Mapping[str, Any] = arguments[rest[0]] if rest else {}
+        if extra:
+            known = [
+                p.name for p in parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+            ]
+            refuse_unknown(extra, known, spelling=PYTHON)
+        given = {name: arguments[name] for name in cls.names()}
+        if options is None:
+            return cls(**given)
+        both = sorted(n for n, v in given.items() if not _same(v, parameters[n].default))
+        if both:
+            raise ConfigError(f"pass options= or keyword options, not both (got {both})")
+        return options
+
+
+@functools.cache
+def _parameters(function: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    return inspect.signature(function).parameters
+
+
+def storage_option_names() -> frozenset[str]:
+    """The storage options the S3 backend reads (``s3_options.OPTIONS``; none without boto3)."""
+    try:
+        from ckptstore.backends.s3_options import OPTIONS
+    except ImportError:
+        return frozenset()
+    return OPTIONS
+
+
+def refuse_unknown(values: Mapping[str, Any], known: Iterable[str], *, spelling: Spelling) -> None:
+    """ConfigError for the names of ``values`` not in ``known``: a storage option with where
+    it goes instead, any other with the closest known name (or the storage option it was
+    probably meant to be), each spelled the way the user's face spells it."""
+    known = list(known)
+    unknown = sorted(set(values) - set(known))
+    if not unknown:
+        return
+    storage = storage_option_names()
+    misplaced = {name: values[name] for name in unknown if name in storage}
+    messages = []
+    if misplaced:
+        one = len(misplaced) == 1
+        messages.append(
+            f"{', '.join(misplaced)} {'is a storage option' if one else 'are storage options'} "
+            f"of the S3 backend, not {'a store option' if one else 'store options'}: "
+            f"{_storage_fix(misplaced, spelling)}"
+        )
+    unlisted = []
+    for name in unknown:
+        if name in misplaced:
+            continue
+        close = difflib.get_close_matches(name, [*known, *sorted(storage)], n=1)
+        if not close:
+            unlisted.append(spelling(name))
+        elif close[0] in known:
+            messages.append(f"unknown option {spelling(name)}; did you mean {spelling(close[0])}?")
+        else:
+            messages.append(
+                f"unknown option {spelling(name)}; did you mean the storage option {close[0]} "
+                f"({_storage_fix({close[0]: values[name]}, spelling)})?"
+            )
+    if unlisted:
+        messages.append(
+            f"unknown option{'s' if len(unlisted) > 1 else ''} {', '.join(unlisted)}; known "
+            f"options: {', '.join(map(spelling, known))}"
+        )
+    text = messages[0]
+    for message in messages[1:]:
+        text += (" " if text.endswith("?") else ". ") + message
+    raise ConfigError(text)
+
+
+def _storage_fix(values: Mapping[str, Any], spelling: Spelling) -> str:
+    """How to give storage options on the face ``spelling`` names; values that are numbers or
+    flags are shown, any other as ``...`` (a message never shows a credential)."""
+    python = spelling is PYTHON
+    shown = {name: _shown(value, python=python) for name, value in values.items()}
+    if python:
+        return "pass storage_options={" + ", ".join(f'"{k}": {v}' for k, v in shown.items()) + "}"
+    if spelling is CLI:
+        return "pass " + " ".join(f"-o {k}={v}" for k, v in shown.items())
+    return "set " + ", ".join(f"{spelling('storage_options')}.{k}={v}" for k, v in shown.items())
+
+
+def _shown(value: object, *, python: bool) -> str:
+    """``1``, ``2.5``, ``True`` (``true`` in a config or on the command line), else ``...``."""
+    if isinstance(value, (bool, int, float)):
+        return repr(value) if python else json.dumps(value)
+    return "..."
+
+
+def _same(value: object, default: object) -> bool:
+    """Whether a keyword was left at its default (or given the same value)."""
+    if value is default:
+        return True
+    try:
+        return type(value) is type(default) and bool(value == default)
+    except Exception:  # an __eq__ that raises or returns an array: not the default
+        return False
 
 
 def _positive(value: object) -> bool:

@@ -29,10 +29,10 @@ from ckptstore.errors import CheckpointError
 
 if TYPE_CHECKING:
     from ckptstore.backends.base import Backend
-    from ckptstore.distributed import Collectives
+    from ckptstore.collectives import Collectives
     from ckptstore.info import CheckpointInfo
     from ckptstore.manifest import FileEntry
-    from ckptstore.tiers import Persister
+    from ckptstore.node_tier import NodeTier
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +40,19 @@ Files = list[tuple[str, torch.Tensor]]
 """Object keys in the local tier and their bytes, as uint8 tensors."""
 
 
-def send_to_peer(
-    comm: Collectives, tiers: Persister, step: int, staged: Sequence[FileEntry]
-) -> None:
+def send_to_peer(comm: Collectives, node: NodeTier, step: int, staged: Sequence[FileEntry]) -> None:
     """Save side: send the files this rank staged for ``step`` to the next rank, and write
     those the previous rank staged into this node's local tier. Every rank calls it."""
     if comm.size == 1:
         return
-    backend = tiers.local.catalog.backend
+    backend = node.local.catalog.backend
     mine = [(e.key(step), _read(backend, e.key(step), e.size)) for e in staged]
     for key, data in _exchange(comm, mine, to=_next(comm), source=_previous(comm)):
         backend.write(key, [_bytes(data)])
 
 
 def recover_from_peer(
-    comm: Collectives, tiers: Persister, info: CheckpointInfo, paths: Sequence[str]
+    comm: Collectives, node: NodeTier, info: CheckpointInfo, paths: Sequence[str]
 ) -> int:
     """Load side: the files of ``paths`` (this rank's part of ``info``'s step) that this
     node's local tier lacks or holds with another size (one listing) are asked of the next
@@ -63,7 +61,7 @@ def recover_from_peer(
     files this rank recovered."""
     if comm.size == 1:
         return 0
-    local = tiers.local.catalog
+    local = node.local.catalog
     step = info.step
     here = local.payload_sizes(step)
     wanted = [p for p in paths if here.get(_entry(info, p).key(step)) != _entry(info, p).size]

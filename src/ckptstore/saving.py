@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ckptstore.background import Abandon
 from ckptstore.catalog import Catalog, StepState
@@ -31,10 +31,23 @@ from ckptstore.removal import Remover
 from ckptstore.resolver import Resolver
 from ckptstore.transfer import scan_dir
 
-if TYPE_CHECKING:
-    from ckptstore.tiers import Persister
-
 log = logging.getLogger(__name__)
+
+
+class Tiers(Protocol):
+    """What a saver that commits in a local tier asks of its store's tiers (persister.py)."""
+
+    def durable_latest(self) -> int | None: ...
+
+    def durable_holds(self, step: int) -> bool: ...
+
+    def decide(self, step: int) -> bool: ...
+
+    def saved(self, stats: SaveStats) -> None: ...
+
+    def failed(self, step: int) -> None: ...
+
+    def staged(self, plan: Plan, entries: Sequence[FileEntry]) -> None: ...
 
 
 @dataclass
@@ -57,7 +70,7 @@ class Saver:
     observer: SaveObserver | None = None
     save_timeout: float | None = None
     """Seconds a save may take (deadline.py); None: no deadline."""
-    tiers: Persister | None = None
+    tiers: Tiers | None = None
     """Set when this saver commits in the local tier of a store (tiers.py): a save must not
     fall behind the durable tier's latest either, and each commit is offered for persisting."""
     pointer_trusted: bool = field(default=False, init=False)
@@ -95,8 +108,7 @@ class Saver:
         """Whether a tier of this store holds ``step`` committed and readable (fresh reads)."""
         if self.catalog.state_of(step, fresh=True) is StepState.COMMITTED:
             return True
-        durable = self.tiers.durable.catalog if self.tiers is not None else None
-        return durable is not None and durable.state_of(step, fresh=True) is StepState.COMMITTED
+        return self.tiers is not None and self.tiers.durable_holds(step)
 
     def advance_latest(self, step: int, *, epoch: int, newest_before: int | None) -> None:
         """Move ``latest`` to ``step``, just committed. The pointer is trusted after that only

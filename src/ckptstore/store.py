@@ -29,14 +29,17 @@ from ckptstore.environment import current_environment, world_size
 from ckptstore.errors import ConfigError
 from ckptstore.follow import DEFAULT_INTERVAL, wait_for_step
 from ckptstore.info import CheckpointInfo, Loaded
+from ckptstore.lease import DEFAULT_TTL
 from ckptstore.loading import download_step, load_state
 from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry
 from ckptstore.observer import SaveObserver
 from ckptstore.options import StoreOptions
 from ckptstore.payload import Progress, SourceFile
+from ckptstore.persister import Persister
 from ckptstore.resolver import LOCAL, Resolved
+from ckptstore.retention import Policy
 from ckptstore.store_upkeep import StoreUpkeep
-from ckptstore.tiers import Persister, TieredFiles, tier_listing
+from ckptstore.tiers import TieredFiles, tier_listing
 from ckptstore.transfer import check_target
 from ckptstore.wiring import assemble
 
@@ -54,26 +57,57 @@ class CheckpointStore(StoreUpkeep):
         self,
         uri: str,
         *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str | None = None,
+        keep_every_seconds: float | None = None,
+        retention: Policy | Sequence[Policy] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        compat: str = "warn",
+        shard_size: int = layout.DEFAULT_SHARD_SIZE,
+        incremental: bool = True,
+        lease: bool = True,
+        takeover: bool = False,
+        lease_ttl: float = DEFAULT_TTL,
+        signing_key: bytes | str | None = None,
+        save_timeout: float | None = None,
+        load_timeout: float | None = None,
+        local: str | None = None,
+        local_keep_last: int | None = None,
+        persist_every: int | None = None,
+        persist_interval_seconds: float | None = None,
+        replicas: int = 0,
         options: StoreOptions | None = None,
         backend: Backend | None = None,
         clock: Callable[[], float] = time.time,
         observer: SaveObserver | None = None,
         writer: str | None = None,
-        **kwargs: Any,
+        **unknown: Any,
     ) -> None:
         """Open the store at ``uri``; nothing is written until the first save.
 
-        Options are :class:`~ckptstore.options.StoreOptions`' fields, as keyword arguments
-        (``keep_last=3``) or one ``options=`` object: retention (``keep_*``, ``best_*``,
-        ``retention=``), ``storage_options``, ``compat``, ``shard_size``, ``incremental``,
-        ``lease``, ``takeover``, ``lease_ttl``, ``signing_key``, ``save_timeout``. A bad
-        value raises ConfigError here, not at the first save. A URI that is a committed step's
-        directory is refused (open its store and name the step). ``writer`` is the id this
-        store writes as (default: a new ``host:pid:random``).
+        The keyword options are :class:`~ckptstore.options.StoreOptions`' fields (see its
+        docstrings), each checked here: retention (``keep_last``, ``keep_every``,
+        ``keep_best``, ``best_metric``, ``best_mode``, ``keep_every_seconds``,
+        ``retention=`` policy objects), ``storage_options`` (the backend's own: S3's
+        ``endpoint_url``, ``part_size``, ``stall_timeout``, ...; ``None`` is none),
+        ``compat``, ``shard_size``, ``incremental``, ``lease``, ``takeover``, ``lease_ttl``,
+        ``signing_key``, ``save_timeout`` and ``load_timeout`` (seconds, ``None``: no
+        deadline), and a local tier: ``local``, ``local_keep_last``, ``persist_every``,
+        ``persist_interval_seconds``, ``replicas``. Or pass them as one ``options=`` object
+        (not both). A bad value raises ConfigError here, not at the first save; so does a
+        name that is no option (the closest one named), and a storage option given here
+        rather than in ``storage_options``. A URI that is a committed step's directory is
+        refused (open its store and name the step).
+
+        Injected parts: ``backend`` (a backend object instead of opening ``uri``), ``clock``
+        (time), ``observer`` (told of every save and failure), ``writer`` (the id this store
+        writes as; default a new ``host:pid:random``).
         """
-        if options is not None and kwargs:
-            raise ConfigError(f"pass options= or keyword options, not both (got {sorted(kwargs)})")
-        self.options = opts = options if options is not None else StoreOptions(**kwargs)
+        # First, before any other local: every parameter by name, each option forwarded from it.
+        self.options = opts = StoreOptions.from_call(CheckpointStore.__init__, locals(), options)
         self.retention, self.compat, self.clock = opts.policy, opts.compat, clock
         self.backend = backend or open_backend(uri, opts.storage_options)
         self.uri = self.backend.uri

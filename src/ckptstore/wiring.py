@@ -36,6 +36,7 @@ from ckptstore.maintenance import Maintenance
 from ckptstore.manifest import Environment
 from ckptstore.observer import SaveObserver
 from ckptstore.options import StoreOptions
+from ckptstore.persister import Persister
 from ckptstore.pruning import Pins, Pruner
 from ckptstore.removal import Remover
 from ckptstore.replica import Replica
@@ -43,7 +44,7 @@ from ckptstore.resolver import Resolver
 from ckptstore.retention import RetentionPolicy
 from ckptstore.saving import Saver
 from ckptstore.signing import Signer
-from ckptstore.tiers import DEFAULT_LOCAL_KEEP_LAST, LocalTier, Persister, TierPins
+from ckptstore.tiers import DEFAULT_LOCAL_KEEP_LAST, LocalTier, TierPins
 
 
 @dataclass(frozen=True)

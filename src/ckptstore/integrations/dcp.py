@@ -57,8 +57,8 @@ from torch.futures import Future
 
 from ckptstore import layout
 from ckptstore.backends.base import join
+from ckptstore.collectives import Collectives
 from ckptstore.coordination import Coordinator, Plan, Staged
-from ckptstore.distributed import Collectives
 from ckptstore.errors import (
     CheckpointError,
     ConfigError,

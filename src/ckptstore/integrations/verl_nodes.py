@@ -112,7 +112,7 @@ class NodeAgent:
         """The driver committed ``manifest``: commit it in this node's local tier too (the
         store's tiers, tiers.py); nothing without one."""
         if self.store.tiers is not None:
-            self.store.tiers.join(manifest)
+            self.store.tiers.node.join(manifest)
 
     def pull_newest(self, newer_than: int | None) -> tuple[int, tuple[int, ...]]:
         """Pull the step the store's resolver picks (latest, falling back past steps that

@@ -1,0 +1,95 @@
+"""The few object collectives the multi-process protocols need (distributed.py, the DCP
+reader, peers.py), over one torch.distributed process group, or a world of one without it."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ckptstore.errors import ConfigError
+
+T = TypeVar("T")
+_TIMED_GROUPS: dict[tuple[tuple[int, ...], float], dist.ProcessGroup] = {}
+
+
+def _timed_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup:
+    """A gloo group over ``group``'s ranks whose collectives give up after ``timeout`` s,
+    made once per process (every rank asks for it at the same point, as it must)."""
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    key = (ranks, timeout)
+    if key not in _TIMED_GROUPS:
+        made = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout), backend="gloo")
+        assert made is not None  # every rank of the group is a member
+        _TIMED_GROUPS[key] = made
+    return _TIMED_GROUPS[key]
+
+
+class Collectives:
+    """The few object collectives the save and load protocols need, over one process group.
+
+    Without an initialized process group it stands for a world of one, so the same code runs
+    (and is tested) in a single process.
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, timeout: float | None = None
+    ) -> None:
+        self.active = dist.is_available() and dist.is_initialized()
+        if not self.active and group is not None:
+            raise ConfigError("a process group was given, but torch.distributed is not initialized")
+        if self.active and timeout is not None:
+            group = _timed_group(group, timeout)
+        self.group = group
+        self.rank = dist.get_rank(group) if self.active else 0
+        self.size = dist.get_world_size(group) if self.active else 1
+        self.root = dist.get_global_rank(group, 0) if self.active and group is not None else 0
+        """The global rank of the group's rank 0 (collectives address global ranks)."""
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj``, on every rank."""
+        if not self.active or self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.root, group=self.group)
+        return box[0]
+
+    def scatter(self, objs: list[T] | None) -> T:
+        """Rank r's item of rank 0's ``objs`` (one per rank; ``None`` on other ranks)."""
+        if not self.active or self.size == 1:
+            assert objs is not None and len(objs) == self.size
+            return objs[0]
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs, src=self.root, group=self.group)
+        return out[0]  # type: ignore[no-any-return]
+
+    def gather(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj``, in rank order, on rank 0; ``None`` elsewhere."""
+        if not self.active or self.size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=self.root, group=self.group)
+        return out
+
+    def send(self, obj: object, to: int) -> None:
+        """Send ``obj`` to group rank ``to`` (it calls :meth:`receive`)."""
+        dist.send_object_list([obj], dst=self.global_rank(to), group=self.group)
+
+    def receive(self, source: int) -> Any:
+        """What group rank ``source`` sends this rank."""
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=self.global_rank(source), group=self.group)
+        return box[0]
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of group rank ``rank`` (point-to-point calls address those)."""
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.active or self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
