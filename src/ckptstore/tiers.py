@@ -4,19 +4,15 @@
 ``latest``; there is no second kind of store. The core knows the tiers:
 
 * **Saving** (saving.py, coordination.py): every face's coordinated save commits in the local
-  tier, the same protocol over a local directory, under the store's writer lease (the local
-  tier has none of its own) and with the store's writer id, so a manifest is the store's
-  wherever it lies. A save must not fall behind the newest step of *either* tier.
-* **Persisting** (:class:`Persister`): a step is *due* for the durable tier when
-  ``persist_every`` local saves were made since the last due one, when
-  ``persist_interval_seconds`` passed since then, when the caller asks (``save(...,
-  persist=True)``: a final or a preemption save), or on every save when neither is set. A due
-  step is pinned in the local tier first, so local retention never deletes it before it is
-  durable; one background thread then commits it in the durable tier by the coordinated save
-  (coordination.py's :func:`~ckptstore.coordination.persist`): the writer lease, the files
-  copied (only those not there yet), the very same manifest create-only (same digests, same
-  signature), ``latest`` forward, the durable retention. Then the pin goes and the local
-  retention runs again.
+  tier (:class:`LocalTier`: the same protocol over a local directory) under the store's
+  writer lease (the local tier has none of its own) and with the store's writer id, so a
+  manifest is the store's wherever it lies. A save must not fall behind the newest step of
+  *either* tier.
+* **Persisting** (persister.py): a due step (:class:`PersistPolicy`) is pinned in the local
+  tier, so local retention never deletes it before it is durable, and committed in the
+  durable tier by the coordinated save once more: the very same manifest (same digests, same
+  signature), ``latest`` forward, the durable retention. A participant of a multi-process
+  save persists its own share of a due step (node_tier.py).
 * **Resolving** (resolver.py): one resolver over both tiers: the newest step either holds,
   the local copy of a step first, the durable copy of the same step before any older one,
   the durable pointer's fences for both. Reads of a step's files take the local copy of each
@@ -25,11 +21,8 @@
   it in any tier the new holder sees (commit.py), so a step its node committed locally and a
   kill kept from the bucket is persisted by the next writer as the store's, not a zombie's.
 
-The pin is the record that survives a kill: a store opened again for writing persists every
-pinned local step the durable tier lacks. A copy that failed is retried at the next open; once
-a later step is durable it is superseded: its pin goes and ``close()`` does not fail the job
-over it. What a lost node loses is at most the local steps newer than the last durable one;
-:class:`~ckptstore.observer.PersistStats` reports that lag.
+This module holds the pure and local parts: the policy, the local tier's engines and pins,
+the tiered reads and the listing of both tiers.
 """
 
 from __future__ import annotations
