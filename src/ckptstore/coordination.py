@@ -26,6 +26,7 @@ files; after it, the step is committed and the error says so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -36,11 +37,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ckptstore import layout
 from ckptstore.catalog import Catalog
 from ckptstore.commit import Committer, Previous
-from ckptstore.deadline import cleanup_time, within
+from ckptstore.deadline import Deadline, bounded, cleanup_time, current_deadline, within
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
     DistributedCheckpointError,
+    FencedError,
     NotFoundError,
     StepBehindLatestError,
 )
@@ -120,6 +122,9 @@ class Plan:
     due: bool = False
     """With local tiers: the step will be due for the durable tier once committed, so each
     participant persists its share as soon as it staged it (node_tier.py)."""
+    seconds: float | None = None
+    """What was left of the save's deadline when the plan was cut: each participant stages
+    by then (None: no deadline)."""
 
     def only(self, prefix: str) -> Plan:
         """This plan with the previous files under ``prefix`` (a folder with its ``/``)."""
@@ -194,7 +199,7 @@ def stage(
     when the step is due).
     Checks nothing the coordinator checked in :meth:`Coordinator.begin`."""
     previous = plan.previous if saver.incremental else None
-    with within(saver.save_timeout, rank=rank):
+    with within(plan.seconds, rank=rank):
         entries = saver.committer.write_payload(
             plan.step, files, progress, previous=previous, epoch=plan.epoch, save=plan.save
         )
@@ -213,6 +218,9 @@ class Coordinator:
     plan: Plan
     metadata: dict[str, Any]
     started: float = field(default_factory=time.perf_counter)
+    deadline: Deadline | None = None
+    """The save's deadline (``save_timeout``), set when it begins: every phase of the
+    coordinated save runs by it, whichever face drives it (:meth:`running`)."""
 
     @classmethod
     def begin(
@@ -224,25 +232,37 @@ class Coordinator:
         metadata: Mapping[str, Any] | None = None,
         allow_older: bool = False,
     ) -> Coordinator:
-        """Step 1: everything checked and read once, before any participant uploads."""
+        """Step 1: everything checked and read once, before any participant uploads, by
+        the save's deadline, which starts now (one in force already is kept)."""
         started = time.perf_counter()
         user_metadata = check_metadata(metadata)
-        saver.drain()
-        epoch = saver.ensure_lease()  # fail before any upload if another writer holds it
-        _check_step_is_free(saver, step)
-        latest_step, manifest = _latest_read(saver, kind)
-        if not allow_older:
-            check_not_behind(saver, step, latest_step)
+        deadline = current_deadline()
+        if deadline is None and saver.save_timeout is not None:
+            deadline = Deadline.after(saver.save_timeout)
+        with bounded(deadline):
+            saver.drain()
+            epoch = saver.ensure_lease()  # fail before any upload if another writer holds it
+            _check_step_is_free(saver, step)
+            latest_step, manifest = _latest_read(saver, kind)
+            if not allow_older:
+                check_not_behind(saver, step, latest_step)
         previous = Previous.of(manifest, latest_step)
-        plan = Plan(step, kind, epoch, previous, secrets.token_hex(8), saver.due(step))
-        return cls(saver, step, kind, plan, user_metadata, started)
+        left = deadline.remaining() if deadline is not None else None
+        plan = Plan(step, kind, epoch, previous, secrets.token_hex(8), saver.due(step), left)
+        return cls(saver, step, kind, plan, user_metadata, started, deadline)
+
+    def running(self) -> contextlib.AbstractContextManager[Deadline | None]:
+        """The save's deadline in force for the block: what a face runs its waits on the
+        participants under (verl's fleet calls, say)."""
+        return bounded(self.deadline) if self.deadline is not None else contextlib.nullcontext()
 
     def stage_here(
         self, files: Iterable[SourceFile], progress: Progress | None = None
     ) -> list[FileEntry]:
         """Stage files from the coordinator's own process (a single-process save: its
         persist copies them, no share)."""
-        return stage(self.saver, self.plan, files, progress, share=False)
+        with self.running():
+            return stage(self.saver, self.plan, files, progress, share=False)
 
     def conclude(
         self,
@@ -255,7 +275,12 @@ class Coordinator:
         the step. Every failure is a DistributedCheckpointError naming each participant's
         error (the coordinator's own as ``coordinator``: rank 0, say) and what became of the
         step."""
-        reports = list(reports)
+        with self.running():
+            return self._conclude(list(reports), world_size, coordinator)
+
+    def _conclude(
+        self, reports: list[Staged], world_size: int | None, coordinator: int | str
+    ) -> CheckpointInfo:
         failures = {r.participant: r.error for r in reports if r.error is not None}
         if failures:
             self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
@@ -304,7 +329,8 @@ class Coordinator:
             )
 
         seen = entries if confirm is None else tuple(confirm)
-        return self.publish(entries, manifest, blocked=blocked, abandon=abandon, confirm=seen)
+        with self.running():
+            return self.publish(entries, manifest, blocked=blocked, abandon=abandon, confirm=seen)
 
     def publish(
         self,
@@ -330,10 +356,25 @@ class Coordinator:
             with cleanup_time():
                 saver.remover.discard_attempts(self.step, {e.attempt for e in entries if e.attempt})
             raise
-        saver.advance_latest(self.step, epoch=epoch, newest_before=self.plan.previous.step)
+        self._advance(epoch)
         stats = SaveStats.of(manifest, time.perf_counter() - self.started, blocked)
         saver.saved(stats)
         return saver.catalog.info_of(manifest, stats)
+
+    def _advance(self, epoch: int) -> None:
+        """Move ``latest`` to the step just committed. The step is committed whatever
+        happens here: a pointer that cannot be moved (the deadline spent, the server gone) is
+        a warning, never a failed save, since readers find the step by listing and the next
+        save moves the pointer; only a newer lease holder's pointer (FencedError) stops the
+        writer."""
+        try:
+            self.saver.advance_latest(self.step, epoch=epoch, newest_before=self.plan.previous.step)
+        except FencedError:
+            raise
+        except CheckpointError as e:
+            log.warning("%s: step %d is committed, but latest could not be moved to it (%s); "
+                        "readers find it by listing, and the next save moves latest",
+                        self.saver.uri, self.step, e)  # fmt: skip
 
     def discard(self, attempts: Iterable[str] = ()) -> None:
         """Remove what this save's participants staged (``attempts`` they reported, and any

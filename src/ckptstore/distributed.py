@@ -41,7 +41,7 @@ from ckptstore.backends.base import error_context
 from ckptstore.collectives import Collectives
 from ckptstore.compat import check_compat
 from ckptstore.coordination import Coordinator, Plan, Staged, describe
-from ckptstore.deadline import map_in_context, within
+from ckptstore.deadline import map_in_context
 from ckptstore.environment import current_environment
 from ckptstore.errors import (
     CheckpointError,
@@ -101,9 +101,8 @@ def save_distributed(
     step = layout.check_step(step)
     timeout = store.options.save_timeout
     comm = Collectives(group, timeout=None if timeout is None else timeout + COLLECTIVE_MARGIN)
-    try:
-        with within(timeout, rank=comm.rank):
-            return _save(store, comm, step, state, metadata, allow_pickle)
+    try:  # the deadline is the coordinated save's (coordination.py), on every rank
+        return _save(store, comm, step, state, metadata, allow_pickle)
     except RuntimeError as e:  # a collective gave up waiting: a rank never reported
         raise DistributedCheckpointError(
             f"step {step} was not saved: rank {comm.rank} waited {timeout} s + "
@@ -248,9 +247,16 @@ def load_distributed(
     Rank 0 asks the store's resolver (resolver.py: latest, fenced steps, refusals) and every
     rank loads the step it offers. With no ``step`` and ``fallback``, a step that fails
     verification on any rank is skipped, on every rank, for the newest older one (as
-    ``store.load`` does). ``store.last_loaded`` tells which step was loaded.
+    ``store.load`` does). ``store.last_loaded`` tells which step was loaded. Every rank loads
+    by the store's ``load_timeout``.
     """
-    comm = Collectives(group)
+    with store.resolver.loading():
+        return _load(store, Collectives(group), step, fallback, allow_pickle)
+
+
+def _load(
+    store: CheckpointStore, comm: Collectives, step: int | None, fallback: bool, allow_pickle: bool
+) -> Any:
     tiers = store.tiers
     also: list[CheckpointInfo] = []
     if tiers is not None:  # a node that kept a newer step than rank 0's offers it too

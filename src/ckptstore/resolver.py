@@ -27,6 +27,7 @@ verdict on each offered step back into it (distributed.py).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -34,6 +35,7 @@ from typing import Generic, TypeVar
 
 from ckptstore import layout
 from ckptstore.catalog import Catalog, fenced
+from ckptstore.deadline import Deadline, within
 from ckptstore.errors import (
     CheckpointError,
     CompatibilityError,
@@ -68,7 +70,16 @@ class Resolver:
     """Chooses steps to load from one store's catalogs: its durable tier's, and those of the
     tiers in front of it (tiers.py)."""
 
-    def __init__(self, catalog: Catalog, *, faster: Sequence[Catalog] = ()) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        *,
+        faster: Sequence[Catalog] = (),
+        load_timeout: float | None = None,
+    ) -> None:
+        self.load_timeout = load_timeout
+        """Seconds a load may take (the store's ``load_timeout``): :meth:`resolve` and the
+        faces' own reads (:meth:`loading`) run by it."""
         self.catalog = catalog
         """The durable tier: its pointer's fences rule every tier."""
         self.faster = tuple(faster)
@@ -81,6 +92,11 @@ class Resolver:
     @property
     def tiers(self) -> tuple[Catalog, ...]:
         return (*self.faster, self.catalog)
+
+    def loading(self) -> contextlib.AbstractContextManager[Deadline | None]:
+        """A load's deadline in force for the block (one in force already is kept): what a
+        face that reads a step's files itself runs under (distributed.py, the DCP reader)."""
+        return within(self.load_timeout, operation="load")
 
     def _tagged(self, info: CheckpointInfo, catalog: Catalog) -> CheckpointInfo:
         """``info`` with the tier it was found in, in a store that has tiers."""
@@ -235,13 +251,14 @@ class Resolver:
     ) -> Resolved[T]:
         """Run ``action`` on the chosen step; on a verification failure, on the next
         candidate. Raises :meth:`Search.exhausted`'s error when none is left."""
-        search = self.search(step, fallback=fallback, newer_than=newer_than)
-        while (info := search.next()) is not None:
-            try:
-                return Resolved(info, action(info), search.skipped_before(info))
-            except VERIFY_ERRORS as e:
-                search.failed(info, e)
-        raise search.exhausted()
+        with self.loading():
+            search = self.search(step, fallback=fallback, newer_than=newer_than)
+            while (info := search.next()) is not None:
+                try:
+                    return Resolved(info, action(info), search.skipped_before(info))
+                except VERIFY_ERRORS as e:
+                    search.failed(info, e)
+            raise search.exhausted()
 
     def older(self, than: int) -> Iterator[CheckpointInfo]:
         """Committed steps before ``than``, newest first (each tier's copy, fastest first),

@@ -20,7 +20,6 @@ from ckptstore.background import Abandon
 from ckptstore.catalog import Catalog, StepState
 from ckptstore.commit import Committer
 from ckptstore.coordination import Coordinator, Plan
-from ckptstore.deadline import within
 from ckptstore.errors import CheckpointError, ConfigError
 from ckptstore.info import CheckpointInfo, SaveStats
 from ckptstore.lease import WriterLease
@@ -228,17 +227,13 @@ class Saver:
         (listed once the checks passed), commit; the observer hears how it went.
         ``abandon`` (background.py) is checked once more right before the commit marker."""
         started = time.perf_counter()
-        try:
-            with within(self.save_timeout):
-                coordinator = self.begin(step, kind, metadata=metadata, allow_older=allow_older)
-                coordinator.started = started
-                entries = coordinator.stage_here(files(), progress)
-                return coordinator.commit(
-                    entries,
-                    files_by_key=files_by_key,
-                    blocked=blocked,
-                    abandon=abandon,
-                )
+        try:  # the save's deadline is the coordinator's, from its begin to its commit
+            coordinator = self.begin(step, kind, metadata=metadata, allow_older=allow_older)
+            coordinator.started = started
+            entries = coordinator.stage_here(files(), progress)
+            return coordinator.commit(
+                entries, files_by_key=files_by_key, blocked=blocked, abandon=abandon
+            )
         except BaseException as e:
             if isinstance(e, CheckpointError):
                 e.add_context(step=step)  # a timeout from deep in a backend knows no step

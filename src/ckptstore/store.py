@@ -24,7 +24,6 @@ from ckptstore.catalog import Catalog
 from ckptstore.commit import Previous
 from ckptstore.compat import check_compat
 from ckptstore.coordination import Coordinator, Plan, stage
-from ckptstore.deadline import within
 from ckptstore.environment import current_environment, world_size
 from ckptstore.errors import ConfigError
 from ckptstore.follow import DEFAULT_INTERVAL, wait_for_step
@@ -278,7 +277,7 @@ class CheckpointStore(StoreUpkeep):
         step = layout.check_step(step)
         if plan is None:
             epoch = self._lease.epoch or 0 if self._lease is not None else 0
-            plan = Plan(step, kind, epoch, Previous(None))
+            plan = Plan(step, kind, epoch, Previous(None), seconds=self.options.save_timeout)
         return stage(self._saver, plan, files, progress, rank=rank)
     # fmt: on
 
@@ -380,8 +379,7 @@ class CheckpointStore(StoreUpkeep):
     ) -> Resolved[T]:
         """Run ``action(info)`` on the step a load starts from (resolver.py), by the load's
         deadline; ``info.tier`` says which tier's copy it is."""
-        with within(self.options.load_timeout, operation="load"):
-            return self._resolver.resolve(step, fallback, action)
+        return self._resolver.resolve(step, fallback, action)
 
     def _catalog_of(self, info: CheckpointInfo) -> Catalog:
         """The catalog of the tier ``info`` was found in."""

@@ -104,7 +104,7 @@ def assemble(
     hold = lease.hold if lease is not None else _no_lease
     pins = Pins(backend)
     pruner = Pruner(catalog, remover, options.policy, pins)
-    resolver = Resolver(catalog, faster=faster)
+    resolver = Resolver(catalog, faster=faster, load_timeout=options.load_timeout)
     maintenance = Maintenance(catalog, resolver, committer, remover, pins, pruner)
     replica = Replica(catalog, committer, remover, pruner, hold, options.save_timeout)
     in_flight = AsyncSaver()

@@ -311,10 +311,11 @@ class CkptStoreReader(StorageReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self._storage[item.storage_index].relative_path, []).append(item)
-        for path, items in per_file.items():
-            data = memoryview(self.store.read_file(self.info, path))
-            for item in items:
-                self._read_item(item, data, planner, f"{self.info.uri}/{path}")
+        with self.store.resolver.loading():  # the store's load_timeout
+            for path, items in per_file.items():
+                data = memoryview(self.store.read_file(self.info, path))
+                for item in items:
+                    self._read_item(item, data, planner, f"{self.info.uri}/{path}")
         future: Future[None] = Future()
         future.set_result(None)
         return future

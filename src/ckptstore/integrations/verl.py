@@ -40,7 +40,7 @@ from importlib import metadata as importlib_metadata
 from typing import Any
 
 from ckptstore import layout
-from ckptstore.deadline import within
+from ckptstore.coordination import Coordinator
 from ckptstore.errors import (
     CheckpointError,
     ConfigError,
@@ -211,19 +211,15 @@ def commit_step(
     committed on failure. With local tiers (the store's ``local``), each node stages its
     share in its own local tier and every node commits the step there; due steps (or
     ``persist``) reach the store in the background (tiers.py)."""
-    with within(store.options.save_timeout):
-        return _commit_step(store, fleet, step, metadata, world_size, persist)
+    coordinator = store.begin_save(step, kind=KIND_DIRECTORY, metadata=metadata, persist=persist)
+    with coordinator.running():  # the fleet's waits end by the save's deadline
+        return _commit_step(store, fleet, coordinator, world_size)
 
 
 def _commit_step(
-    store: CheckpointStore,
-    fleet: Fleet,
-    step: int,
-    metadata: Mapping[str, Any] | None,
-    world_size: int | None,
-    persist: bool,
+    store: CheckpointStore, fleet: Fleet, coordinator: Coordinator, world_size: int | None
 ) -> CheckpointInfo:
-    coordinator = store.begin_save(step, kind=KIND_DIRECTORY, metadata=metadata, persist=persist)
+    step = coordinator.step
     nodes = fleet.nodes()
     shares = assign_files(fleet.call("list_step", {n: (step,) for n in nodes}), step)
     check_complete([p for paths in shares.values() for p in paths], step)

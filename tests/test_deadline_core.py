@@ -1,0 +1,128 @@
+"""The deadline belongs to the core (design.md, invariant 15): the coordinated save sets it
+when it begins and every phase and participant runs by it, whichever face drives the save;
+the resolver sets a load's; and a step whose manifest is written is reported committed even
+when the pointer cannot be moved after it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import CheckpointStore
+from ckptstore.backends.base import Backend, Chunk
+from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.proxy import BackendProxy
+from ckptstore.deadline import Deadline, current_deadline
+from ckptstore.distributed import load_distributed, save_distributed
+from ckptstore.errors import BackendError, DistributedCheckpointError, SaveTimeoutError
+from ckptstore.layout import LATEST_NAME
+from ckptstore.manifest import KIND_DIRECTORY
+from ckptstore.payload import SourceFile
+
+
+class MutePointer(BackendProxy):
+    """A server that stopped answering right after the commit marker: every swap of
+    ``latest.json`` fails."""
+
+    def swap(self, path: str, data: bytes, expected: str | None) -> str:
+        if path == LATEST_NAME:
+            raise BackendError(f"{self.uri}/{path}: the server stopped answering", retryable=True)
+        return super().swap(path, data, expected)
+
+
+class Slow(BackendProxy):
+    """Writes and reads that trickle: a chunk every ``pause`` seconds."""
+
+    def __init__(self, inner: Backend, pause: float) -> None:
+        super().__init__(inner)
+        self.pause = pause
+        self.deadlines: list[Deadline] = []
+
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        def trickle() -> Iterator[Chunk]:
+            for chunk in chunks:
+                time.sleep(self.pause)
+                yield chunk
+
+        return super().write(path, trickle())
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        self._wait(path)
+        return super().read(path, start, end)
+
+    def read_into(self, path: str, out: memoryview) -> int:
+        self._wait(path)
+        return super().read_into(path, out)
+
+    def read_into_chunks(
+        self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
+    ) -> int:
+        self._wait(path)
+        return super().read_into_chunks(path, out, on_chunk)
+
+    def _wait(self, path: str) -> None:
+        """Pause, then give up if the deadline in force has passed, as the S3 backend's
+        requests do (a local disk's read cannot be cut short)."""
+        time.sleep(self.pause)
+        deadline = current_deadline()
+        if deadline is not None:
+            self.deadlines.append(deadline)
+            deadline.check(f"{self.uri}/{path}", doing="read")
+
+
+def state() -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(4096, dtype=torch.float32)}
+
+
+def test_a_step_whose_pointer_cannot_move_is_reported_committed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri = str(tmp_path / "store")
+    with CheckpointStore(uri, lease=False) as first:
+        first.save(1, state())
+    mute = MutePointer(LocalBackend(uri, {}))
+    with caplog.at_level(logging.WARNING), CheckpointStore(uri, backend=mute, lease=False) as s:
+        info = s.save(2, state())  # no "nothing was committed" error: it is committed
+    assert info.step == 2
+    assert "step 2 is committed, but latest could not be moved" in caplog.text
+    with CheckpointStore(uri, lease=False) as reader:
+        assert reader.latest().step == 2  # type: ignore[union-attr]  # found by listing
+        assert torch.equal(reader.load()["w"], state()["w"])
+
+
+def test_participants_stage_by_the_deadline_the_coordinator_began(tmp_path: Path) -> None:
+    """A participant's store has no save_timeout of its own: the plan carries what is left
+    of the coordinator's, so the face cannot forget it."""
+    uri = str(tmp_path / "store")
+    coordinator_store = CheckpointStore(uri, save_timeout=0.5)
+    participant = CheckpointStore(uri, backend=Slow(LocalBackend(uri, {}), 0.2), lease=False)
+    coordinator = coordinator_store.begin_save(1, kind=KIND_DIRECTORY)
+    assert coordinator.plan.seconds is not None and 0 < coordinator.plan.seconds <= 0.5
+    chunks = [b"x" * 1024] * 20  # 4 s at 0.2 s a chunk
+    source = SourceFile("big.bin", lambda: iter(chunks), 20 * 1024)
+    started = time.monotonic()
+    with pytest.raises(SaveTimeoutError, match=r"0\.\d+ s deadline"):
+        participant.stage_files(1, [source], plan=coordinator.plan)
+    assert time.monotonic() - started < 3.0
+    coordinator.discard()
+    coordinator_store.close()
+    participant.close()
+
+
+def test_load_distributed_runs_by_the_load_timeout(tmp_path: Path) -> None:
+    uri = str(tmp_path / "store")
+    with CheckpointStore(uri) as writer:
+        save_distributed(writer, 1, state())
+    slow = Slow(LocalBackend(uri, {}), 0.3)
+    with CheckpointStore(uri, backend=slow, lease=False, load_timeout=0.5) as reader:
+        started = time.monotonic()
+        with pytest.raises(DistributedCheckpointError, match="deadline") as caught:
+            load_distributed(reader)
+        assert time.monotonic() - started < 5.0
+    assert "LoadTimeoutError" in str(caught.value)
+    assert {(d.operation, d.seconds) for d in slow.deadlines} == {("load", 0.5)}
