@@ -38,12 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.coordination import Plan
 from ckptstore.distributed import rank_dir
 from ckptstore.errors import CheckpointError
 from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry, Manifest
 from ckptstore.payload import SourceFile
+from ckptstore.plan import Plan
 from ckptstore.testing.faultproxy import FaultProxy
 from ckptstore.testing.s3server import LocalS3Server
 from ckptstore.testing.throttle import DEFAULT_SCALE, WRITES, Throttle

@@ -31,7 +31,7 @@ from ckptstore.backends.base import Backend, Chunk
 from ckptstore.cas import swap_loop
 from ckptstore.catalog import Catalog
 from ckptstore.checksum import Crc32c
-from ckptstore.deadline import cleanup_time, map_in_context
+from ckptstore.deadline import clean_up, map_in_context
 from ckptstore.errors import (
     BackendError,
     ConfigError,
@@ -167,8 +167,8 @@ class Committer:
             with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-write") as pool:
                 return map_in_context(pool, write_one, sources)  # under the save's deadline
         except BaseException:
-            with cleanup_time():
-                self.remover.discard_attempts(step, {attempt})
+            what = f"the files of {self.catalog.uri(layout.step_dir(step))}'s failed attempt"
+            clean_up(lambda: self.remover.discard_attempts(step, {attempt}), what)
             raise
 
     def begin_attempt(

@@ -8,10 +8,8 @@ module writes it:
 
 1. **begin**, on the coordinator: wait for this store's save in flight, take or renew the
    writer lease, refuse a step that is committed (removing one a fenced writer committed) or
-   behind ``latest``, and read ``latest``'s manifest once. The result is a :class:`Plan`:
-   picklable, cut per participant (:meth:`Plan.only`, :meth:`Plan.among`,
-   :meth:`Plan.split`) so a participant reads neither the pointer nor the manifest, and its
-   cost does not grow with the number of participants (README "Scale").
+   behind ``latest``, and read ``latest``'s manifest once. The result is a Plan (plan.py),
+   cut per participant so none reads the pointer or the manifest (README "Scale").
 2. **stage**, on every participant (:func:`stage`): upload its files into an attempt
    directory of its own, uncommitted. :meth:`Staged.of` runs it so that it never raises: a
    failure travels to the coordinator as text, since a participant that skips a collective
@@ -20,8 +18,9 @@ module writes it:
    raise one error naming each failure; else confirm the files, renew the lease (the fence
    check), write the manifest create-only, move ``latest`` and apply retention.
 
-A failure before the manifest is written leaves nothing committed and removes the staged
-files; after it, the step is committed and the error says so.
+The save's deadline is set at begin and cut into each plan, so every face gets it. A failure
+before the manifest is written leaves nothing committed and removes the staged files (in the
+background past the deadline); after it, the step is committed and is reported so.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ckptstore import layout
 from ckptstore.catalog import Catalog
 from ckptstore.commit import Committer, Previous
-from ckptstore.deadline import Deadline, bounded, cleanup_time, current_deadline, within
+from ckptstore.deadline import Deadline, bounded, clean_up, current_deadline, within
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
@@ -49,6 +48,7 @@ from ckptstore.errors import (
 from ckptstore.info import CheckpointInfo, SaveStats
 from ckptstore.manifest import Environment, FileEntry, Manifest, check_metadata
 from ckptstore.payload import Progress, SourceFile
+from ckptstore.plan import Plan
 from ckptstore.removal import Remover
 
 if TYPE_CHECKING:
@@ -104,46 +104,6 @@ class Saver(Protocol):
     def saved(self, stats: SaveStats) -> None:
         """After a commit moved ``latest``: log, tell the observer, apply retention."""
         ...
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a participant needs to stage its files of ``step``; sent by the coordinator."""
-
-    step: int
-    kind: str
-    epoch: int
-    """The writer lease epoch the coordinator holds (recorded in each attempt's marker)."""
-    previous: Previous
-    """``latest``'s step and the files of it this participant may copy instead of upload."""
-    save: str | None = None
-    """This save's id, in each participant's attempt marker: a discard removes this save's
-    attempts and nobody else's (a new lease holder saving the same step, say)."""
-    due: bool = False
-    """With local tiers: the step will be due for the durable tier once committed, so each
-    participant persists its share as soon as it staged it (node_tier.py)."""
-    seconds: float | None = None
-    """What was left of the save's deadline when the plan was cut: each participant stages
-    by then (None: no deadline)."""
-
-    def only(self, prefix: str) -> Plan:
-        """This plan with the previous files under ``prefix`` (a folder with its ``/``)."""
-        return replace(self, previous=self.previous.only(prefix))
-
-    def among(self, paths: Iterable[str]) -> Plan:
-        """This plan with the previous files of ``paths`` (a node's share)."""
-        return replace(self, previous=self.previous.among(paths))
-
-    def split(self, folders: Sequence[str]) -> list[Plan]:
-        """One plan per folder (``rank_00003``), each with the previous files under it, in one
-        pass over the previous step's files."""
-        index = {folder: i for i, folder in enumerate(folders)}
-        files: list[list[FileEntry]] = [[] for _ in folders]
-        for entry in self.previous.files:
-            i = index.get(entry.path.split("/", 1)[0])
-            if i is not None:
-                files[i].append(entry)
-        return [replace(self, previous=Previous(self.previous.step, tuple(f))) for f in files]
 
 
 @dataclass(frozen=True)
@@ -219,8 +179,7 @@ class Coordinator:
     metadata: dict[str, Any]
     started: float = field(default_factory=time.perf_counter)
     deadline: Deadline | None = None
-    """The save's deadline (``save_timeout``), set when it begins: every phase of the
-    coordinated save runs by it, whichever face drives it (:meth:`running`)."""
+    """The save's deadline (``save_timeout``), set at begin: every phase runs by it."""
 
     @classmethod
     def begin(
@@ -252,8 +211,7 @@ class Coordinator:
         return cls(saver, step, kind, plan, user_metadata, started, deadline)
 
     def running(self) -> contextlib.AbstractContextManager[Deadline | None]:
-        """The save's deadline in force for the block: what a face runs its waits on the
-        participants under (verl's fleet calls, say)."""
+        """The save's deadline in force for the block (a face's waits on participants)."""
         return bounded(self.deadline) if self.deadline is not None else contextlib.nullcontext()
 
     def stage_here(
@@ -353,8 +311,8 @@ class Coordinator:
                 abandon.check()
             manifest = saver.committer.commit(manifest)
         except BaseException:
-            with cleanup_time():
-                saver.remover.discard_attempts(self.step, {e.attempt for e in entries if e.attempt})
+            attempts = {e.attempt for e in entries if e.attempt}
+            clean_up(lambda: saver.remover.discard_attempts(self.step, attempts), self._files)
             raise
         self._advance(epoch)
         stats = SaveStats.of(manifest, time.perf_counter() - self.started, blocked)
@@ -362,11 +320,9 @@ class Coordinator:
         return saver.catalog.info_of(manifest, stats)
 
     def _advance(self, epoch: int) -> None:
-        """Move ``latest`` to the step just committed. The step is committed whatever
-        happens here: a pointer that cannot be moved (the deadline spent, the server gone) is
-        a warning, never a failed save, since readers find the step by listing and the next
-        save moves the pointer; only a newer lease holder's pointer (FencedError) stops the
-        writer."""
+        """Move ``latest`` to the step just committed: a pointer that cannot be moved is a
+        warning, not a failed save (readers find the step by listing, the next save moves
+        it); a newer lease holder's pointer (FencedError) stops the writer."""
         try:
             self.saver.advance_latest(self.step, epoch=epoch, newest_before=self.plan.previous.step)
         except FencedError:
@@ -379,8 +335,13 @@ class Coordinator:
     def discard(self, attempts: Iterable[str] = ()) -> None:
         """Remove what this save's participants staged (``attempts`` they reported, and any
         attempt whose marker names this save), and nothing of a rival's save of the step."""
-        with cleanup_time():
-            self.saver.remover.discard_save(self.step, self.plan.save, attempts)
+        attempts = set(attempts)
+        clean_up(lambda: self.saver.remover.discard_save(self.step, self.plan.save, attempts),
+                 self._files)  # fmt: skip
+
+    @property
+    def _files(self) -> str:
+        return f"the staged files of step {self.step} in {self.saver.uri}"
 
     def _what_became(self, coordinator: str) -> str:
         try:

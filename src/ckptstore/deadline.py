@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
@@ -40,6 +42,7 @@ __all__ = [
     "bounded",
     "check",
     "cleanup_time",
+    "clean_up",
     "within",
     "current_deadline",
     "map_in_context",
@@ -47,6 +50,7 @@ __all__ = [
     "submit",
 ]
 
+log = logging.getLogger(__name__)
 Operation = Literal["save", "load"]
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -175,6 +179,9 @@ def bounded(deadline: Deadline | None) -> Iterator[Deadline | None]:
 
 CLEANUP_SECONDS = 30.0
 """What removing a failed save's files may take, apart from the save's own (spent) deadline."""
+CLEANUP_SLACK = 1.0
+"""What a failed save with a deadline waits for its cleanup past that deadline before it
+raises: a server that stopped answering must not hold the error back for ``CLEANUP_SECONDS``."""
 
 
 def cleanup_time() -> contextlib.AbstractContextManager[Deadline | None]:
@@ -184,6 +191,37 @@ def cleanup_time() -> contextlib.AbstractContextManager[Deadline | None]:
     if _CURRENT.get() is None:
         return contextlib.nullcontext()
     return bounded(Deadline.after(CLEANUP_SECONDS))
+
+
+def clean_up(remove: Callable[[], None], what: str) -> bool:
+    """Run ``remove`` (a failed save's files) under :func:`cleanup_time`. With a deadline in
+    force, wait for it until that deadline plus :data:`CLEANUP_SLACK` at most, then let it go
+    on in the background (a daemon thread, by its own deadline) and return False, so the
+    save's error is raised on time; ``gc`` removes whatever it could not. Its own failure is
+    logged: the save's error is the one that matters."""
+    outer = _CURRENT.get()
+
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            with cleanup_time():
+                remove()
+        except Exception as e:
+            log.warning("could not remove %s (%s); `ckptstore gc` removes it", what, e)
+        finally:
+            done.set()
+
+    if outer is None:
+        run()
+        return True
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(run,), name="ckpt-cleanup", daemon=True).start()
+    if done.wait(outer.remaining() + CLEANUP_SLACK):
+        return True
+    log.warning("removing %s goes on in the background (the server is slow or not answering); "
+                "`ckptstore gc` removes what it cannot", what)  # fmt: skip
+    return False
 
 
 def within(

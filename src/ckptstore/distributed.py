@@ -40,7 +40,7 @@ from ckptstore import layout
 from ckptstore.backends.base import error_context
 from ckptstore.collectives import Collectives
 from ckptstore.compat import check_compat
-from ckptstore.coordination import Coordinator, Plan, Staged, describe
+from ckptstore.coordination import Coordinator, Staged, describe
 from ckptstore.deadline import map_in_context
 from ckptstore.environment import current_environment
 from ckptstore.errors import (
@@ -55,6 +55,7 @@ from ckptstore.info import CheckpointInfo
 from ckptstore.manifest import KIND_STATE, FileEntry
 from ckptstore.payload import SourceFile
 from ckptstore.peers import recover_from_peer, send_to_peer
+from ckptstore.plan import Plan
 from ckptstore.resolver import VERIFY_ERRORS, Search
 from ckptstore.serialize import SKELETON_FILE, decode_state, encode_state
 

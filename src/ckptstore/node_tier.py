@@ -25,8 +25,8 @@ from ckptstore.errors import CheckpointError, ConflictError
 from ckptstore.tiers import DEFAULT_LOCAL_KEEP_LAST, LocalTier
 
 if TYPE_CHECKING:
-    from ckptstore.coordination import Plan
     from ckptstore.manifest import FileEntry, Manifest
+    from ckptstore.plan import Plan
     from ckptstore.saving import Saver
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ckptstore import layout
 from ckptstore.catalog import StepState
 from ckptstore.commit import Previous
-from ckptstore.coordination import Coordinator, Plan
+from ckptstore.coordination import Coordinator
 from ckptstore.copying import FileCopier
 from ckptstore.deadline import remaining, within
 from ckptstore.errors import CheckpointError, ConflictError, IncompleteCheckpointError
@@ -30,6 +30,7 @@ from ckptstore.info import CheckpointInfo, SaveStats
 from ckptstore.manifest import FileEntry, Manifest
 from ckptstore.node_tier import NodeTier
 from ckptstore.observer import PersistStats, SaveObserver, TierObserver
+from ckptstore.plan import Plan
 from ckptstore.resolver import Resolver
 from ckptstore.saving import Saver
 from ckptstore.tiers import LocalTier, PersistPolicy

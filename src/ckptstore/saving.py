@@ -19,13 +19,14 @@ from typing import Any, Protocol
 from ckptstore.background import Abandon
 from ckptstore.catalog import Catalog, StepState
 from ckptstore.commit import Committer
-from ckptstore.coordination import Coordinator, Plan
+from ckptstore.coordination import Coordinator
 from ckptstore.errors import CheckpointError, ConfigError
 from ckptstore.info import CheckpointInfo, SaveStats
 from ckptstore.lease import WriterLease
 from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry
 from ckptstore.observer import SaveObserver
 from ckptstore.payload import Progress, SourceFile, file_reader
+from ckptstore.plan import Plan
 from ckptstore.removal import Remover
 from ckptstore.resolver import Resolver
 from ckptstore.transfer import scan_dir

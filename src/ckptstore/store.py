@@ -23,7 +23,7 @@ from ckptstore.background import SaveHandle
 from ckptstore.catalog import Catalog
 from ckptstore.commit import Previous
 from ckptstore.compat import check_compat
-from ckptstore.coordination import Coordinator, Plan, stage
+from ckptstore.coordination import Coordinator, stage
 from ckptstore.environment import current_environment, world_size
 from ckptstore.errors import ConfigError
 from ckptstore.follow import DEFAULT_INTERVAL, wait_for_step
@@ -35,6 +35,7 @@ from ckptstore.observer import SaveObserver
 from ckptstore.options import StoreOptions
 from ckptstore.payload import Progress, SourceFile
 from ckptstore.persister import Persister
+from ckptstore.plan import Plan
 from ckptstore.resolver import LOCAL, Resolved
 from ckptstore.retention import Policy
 from ckptstore.store_upkeep import StoreUpkeep

@@ -20,11 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ckptstore.coordination import Coordinator, Plan, Staged
+from ckptstore.coordination import Coordinator, Staged
 from ckptstore.distributed import rank_dir
 from ckptstore.errors import BackendError
 from ckptstore.manifest import KIND_DIRECTORY
 from ckptstore.payload import SourceFile
+from ckptstore.plan import Plan
 from ckptstore.store import CheckpointStore
 from harness.scheduler import Actor
 

@@ -58,7 +58,7 @@ from torch.futures import Future
 from ckptstore import layout
 from ckptstore.backends.base import join
 from ckptstore.collectives import Collectives
-from ckptstore.coordination import Coordinator, Plan, Staged
+from ckptstore.coordination import Coordinator, Staged
 from ckptstore.errors import (
     CheckpointError,
     ConfigError,
@@ -70,6 +70,7 @@ from ckptstore.integrations.dcp_unpickle import check_weights_only, load_metadat
 from ckptstore.integrations.dcp_write import RankFile
 from ckptstore.manifest import KIND_DIRECTORY, FileEntry
 from ckptstore.payload import SourceFile
+from ckptstore.plan import Plan
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from ckptstore import layout
 from ckptstore.backends.fsutil import TMP_PREFIX, atomic_write, temp_name
-from ckptstore.coordination import Plan, Staged
+from ckptstore.coordination import Staged
 from ckptstore.deadline import current_deadline
 from ckptstore.errors import (
     BackendError,
@@ -46,6 +46,7 @@ from ckptstore.integrations.verl_steps import assign_files, check_complete
 from ckptstore.manifest import FileEntry, Manifest
 from ckptstore.options import StoreOptions
 from ckptstore.payload import SourceFile, iter_file
+from ckptstore.plan import Plan
 from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
