@@ -49,6 +49,7 @@ from ckptstore.info import CheckpointInfo, SaveStats
 from ckptstore.manifest import Environment, FileEntry, Manifest, check_metadata
 from ckptstore.payload import Progress, SourceFile
 from ckptstore.plan import Plan
+from ckptstore.pointer import Pointer
 from ckptstore.removal import Remover
 
 if TYPE_CHECKING:
@@ -71,13 +72,11 @@ class Saver(Protocol):
     @property
     def uri(self) -> str: ...
 
-    def latest_step(self) -> int | None:
-        """The step a save must not fall behind, in any tier of the store (saving.py)."""
-        ...
+    def latest_step(self) -> int | None: ...  # the step not to fall behind, in any tier
 
-    def holds(self, step: int) -> bool:
-        """Whether a tier of the store holds ``step`` committed and readable (saving.py)."""
-        ...
+    def holds(self, step: int) -> bool: ...  # committed and readable in a tier of the store
+
+    def fences(self) -> Pointer | None: ...  # the pointer whose fences judge every tier
 
     def drain(self) -> None: ...
 
@@ -195,9 +194,7 @@ class Coordinator:
         the save's deadline, which starts now (one in force already is kept)."""
         started = time.perf_counter()
         user_metadata = check_metadata(metadata)
-        deadline = current_deadline()
-        if deadline is None and saver.save_timeout is not None:
-            deadline = Deadline.after(saver.save_timeout)
+        deadline = current_deadline() or Deadline.of(saver.save_timeout)
         with bounded(deadline):
             saver.drain()
             epoch = saver.ensure_lease()  # fail before any upload if another writer holds it
@@ -233,19 +230,13 @@ class Coordinator:
         the step. Every failure is a DistributedCheckpointError naming each participant's
         error (the coordinator's own as ``coordinator``: rank 0, say) and what became of the
         step."""
-        with self.running():
-            return self._conclude(list(reports), world_size, coordinator)
-
-    def _conclude(
-        self, reports: list[Staged], world_size: int | None, coordinator: int | str
-    ) -> CheckpointInfo:
+        reports = list(reports)
         failures = {r.participant: r.error for r in reports if r.error is not None}
         if failures:
             self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
             raise self._failed(failures, NOT_SAVED)
         entries = [e for r in reports for e in r.entries]
-        here = self.saver.uri
-        seen = [e for r in reports if r.tier in (None, here) for e in r.entries]
+        seen = [e for r in reports if r.tier in (None, self.saver.uri) for e in r.entries]
         try:
             return self.commit(entries, world_size=world_size, confirm=seen)
         except Exception as e:
@@ -298,10 +289,12 @@ class Coordinator:
         blocked: float = 0.0,
         abandon: Abandon | None = None,
         confirm: tuple[FileEntry, ...] | None = None,
+        on_failure: Callable[[set[str]], None] | None = None,
     ) -> CheckpointInfo:
         """Confirm ``entries`` (or ``confirm``), renew the lease (the fence check, right
         before the commit), write ``manifest_under(epoch)`` create-only, move ``latest``,
-        apply retention."""
+        apply retention. A failure before the manifest removes the staged attempts (or hands
+        them to ``on_failure``)."""
         saver = self.saver
         try:
             saver.committer.confirm_payload(self.step, entries if confirm is None else confirm)
@@ -312,7 +305,10 @@ class Coordinator:
             manifest = saver.committer.commit(manifest)
         except BaseException:
             attempts = {e.attempt for e in entries if e.attempt}
-            clean_up(lambda: saver.remover.discard_attempts(self.step, attempts), self._files)
+            if on_failure is not None:
+                on_failure(attempts)
+            else:
+                clean_up(lambda: saver.remover.discard_attempts(self.step, attempts), self._files)
             raise
         self._advance(epoch)
         stats = SaveStats.of(manifest, time.perf_counter() - self.started, blocked)
@@ -335,9 +331,8 @@ class Coordinator:
     def discard(self, attempts: Iterable[str] = ()) -> None:
         """Remove what this save's participants staged (``attempts`` they reported, and any
         attempt whose marker names this save), and nothing of a rival's save of the step."""
-        attempts = set(attempts)
-        clean_up(lambda: self.saver.remover.discard_save(self.step, self.plan.save, attempts),
-                 self._files)  # fmt: skip
+        doomed, remover = set(attempts), self.saver.remover
+        clean_up(lambda: remover.discard_save(self.step, self.plan.save, doomed), self._files)
 
     @property
     def _files(self) -> str:
@@ -345,12 +340,11 @@ class Coordinator:
 
     def _what_became(self, coordinator: str) -> str:
         try:
-            state = self.saver.catalog.state_of(self.step, fresh=True)
+            committed = self.saver.catalog.state_of(self.step, fresh=True).committed
         except CheckpointError:
             return f"failed on {coordinator} and may be committed (see `ckptstore ls`)"
-        if not state.committed:
-            return NOT_SAVED
-        return f"is committed, but {coordinator} failed after committing it"
+        return f"is committed, but {coordinator} failed after committing it" if committed else (
+            NOT_SAVED)  # fmt: skip
 
     def _failed(self, failures: Mapping[int | str, str], what: str) -> DistributedCheckpointError:
         listed = "; ".join(f"{_label(p)}: {text}" for p, text in _ordered(failures))
@@ -399,7 +393,7 @@ def _check_step_is_free(saver: Saver, step: int) -> None:
         return  # a tombstone: the step was removed, and may be saved anew (removal.py)
     except CheckpointError:
         manifest = None  # unreadable, but there: committed all the same
-    pointer = catalog.pointer_or_none()
+    pointer = saver.fences()
     if (
         manifest is not None
         and pointer is not None

@@ -93,6 +93,11 @@ class Deadline:
         """The deadline ``seconds`` from now."""
         return cls(clock() + seconds, seconds, operation, rank, clock)
 
+    @classmethod
+    def of(cls, seconds: float | None, *, operation: Operation = "save") -> Deadline | None:
+        """The deadline ``seconds`` from now; None for None (no deadline)."""
+        return None if seconds is None else cls.after(seconds, operation=operation)
+
     def remaining(self) -> float:
         """Seconds left, never negative."""
         return max(0.0, self.expires - self.clock())

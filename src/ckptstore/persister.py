@@ -19,18 +19,19 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckptstore import layout
-from ckptstore.catalog import StepState
+from ckptstore.catalog import StepState, fenced
 from ckptstore.commit import Previous
 from ckptstore.coordination import Coordinator
 from ckptstore.copying import FileCopier
-from ckptstore.deadline import remaining, within
-from ckptstore.errors import CheckpointError, ConflictError, IncompleteCheckpointError
+from ckptstore.deadline import clean_up, remaining, within
+from ckptstore.errors import CheckpointError, ConflictError, FencedError, IncompleteCheckpointError
 from ckptstore.follow import Backoff
 from ckptstore.info import CheckpointInfo, SaveStats
 from ckptstore.manifest import FileEntry, Manifest
 from ckptstore.node_tier import NodeTier
 from ckptstore.observer import PersistStats, SaveObserver, TierObserver
 from ckptstore.plan import Plan
+from ckptstore.pointer import Pointer
 from ckptstore.resolver import Resolver
 from ckptstore.saving import Saver
 from ckptstore.tiers import LocalTier, PersistPolicy
@@ -51,10 +52,13 @@ def persist(
     sequence as every save: the writer lease, attempt markers, the files, the fence check, the
     manifest create-only, ``latest`` forward only, retention. A step already committed there
     with the same files (a kill after the commit) is done; with other files, a ConflictError.
-    A failure before the manifest removes what was copied."""
+    A step that a writer fenced off by a takeover committed (a zombie beside the new holder on
+    one node) is never persisted. A failure before the manifest removes what was copied, but
+    only under the lease (:func:`_abandon`)."""
     step = manifest.step
     with within(saver.save_timeout):
         epoch = saver.ensure_lease()
+        _refuse_fenced(saver, manifest)
         held = _committed_manifest(saver, step)
         if held is not None:
             return _persisted_before(saver, held, manifest)
@@ -62,20 +66,52 @@ def persist(
         coordinator = Coordinator(saver, step, manifest.kind, plan, dict(manifest.metadata))
         attempts = sorted({f.attempt for f in manifest.files if f.attempt is not None})
         present = saver.catalog.payload_sizes(step)
+
+        def abandon(_: set[str]) -> None:
+            _abandon(coordinator)
+
         try:
             for attempt in attempts:  # the markers say whose files these are (garbage.py)
                 saver.committer.begin_attempt(step, epoch, attempt, save=plan.save)
             copy(step, [f for f in manifest.files if present.get(f.key(step)) != f.size])
         except BaseException:
-            coordinator.discard(attempts)
+            abandon(set())
             raise
         try:
-            return coordinator.publish(manifest.files, lambda _: manifest)
+            return coordinator.publish(manifest.files, lambda _: manifest, on_failure=abandon)
         except ConflictError:
             held = _committed_manifest(saver, step)  # a rival persisted it meanwhile?
             if held is None:
                 raise
             return _persisted_before(saver, held, manifest)
+
+
+def _refuse_fenced(saver: Saver, manifest: Manifest) -> None:
+    pointer = saver.fences()
+    if pointer is not None and pointer.fenced(manifest.step, manifest.writer, manifest.lease_epoch):
+        raise FencedError(
+            f"{saver.uri}: step {manifest.step} of the local tier was committed by "
+            f"{manifest.writer} after it lost the writer lease; it is not persisted (it is "
+            "never latest; `ckptstore rm` it in the local tier)",
+            uri=saver.catalog.uri(layout.step_dir(manifest.step)),
+            step=manifest.step,
+        )
+
+
+def _abandon(coordinator: Coordinator) -> None:
+    """Remove what a failed persist copied: its attempts are the local manifest's, which the
+    store's next lease holder may be persisting at the same moment (a writer fenced beside it
+    on one node), so only under the lease, renewed now (a fenced writer deletes nothing:
+    ``gc`` does), and only the attempts whose markers still name this persist."""
+    saver = coordinator.saver
+    try:
+        saver.hold_lease()
+    except CheckpointError as e:
+        log.warning("%s: the files of step %d's failed persist are left to gc: %s",
+                    saver.uri, coordinator.step, e)  # fmt: skip
+        return
+    step, save = coordinator.step, coordinator.plan.save
+    clean_up(lambda: saver.remover.discard_save(step, save), f"step {step}'s persisted files")
 
 
 def _committed_manifest(saver: Saver, step: int) -> Manifest | None:
@@ -162,12 +198,14 @@ class Persister:
             if self._started:
                 return
             self._started = True
-        resumed = []
+        resumed, fences = [], self.fences()
         for step in self.local.pins.written():
             if not self.local.catalog.is_committed(step, fresh=True):
                 self.local.pins.remove(step)  # a pin of a step that is gone: nothing to copy
             elif self.durable.catalog.is_committed(step, fresh=True):
                 self.local.pins.remove(step)
+            elif fenced(fences, self.local.catalog.info(step)):
+                self.local.pins.remove(step)  # a fenced writer's: never persisted
             else:
                 resumed.append(step)
                 self.queue(step)
@@ -349,8 +387,14 @@ class Persister:
                 self._pool.shutdown(wait=True)
 
     def _newest_local(self) -> int | None:
-        newest = Resolver(self.local.catalog).latest()
+        """The local tier's newest step, by the durable fences (never a fenced writer's)."""
+        resolver = Resolver(self.durable.catalog, faster=(self.local.catalog,))
+        newest = resolver.latest_in(self.local.catalog)
         return newest.step if newest is not None else None
+
+    def fences(self) -> Pointer | None:
+        """The durable tier's pointer: its fences judge the steps of both tiers."""
+        return self.durable.catalog.pointer_or_none()
 
 
 def _newer(a: int | None, b: int | None) -> int | None:

@@ -135,8 +135,13 @@ class Resolver:
         try:
             pointer, _ = catalog.read_pointer()
             if pointer is not None and pointer.step is not None:
-                newer = self.committed_after(pointer, catalog=catalog)
-                return self._tagged(newer or catalog.info(pointer.step), catalog)
+                found = self.committed_after(pointer, catalog=catalog)
+                found = found or catalog.info(pointer.step)
+                if not fenced(self._fences(catalog, pointer), found):
+                    return self._tagged(found, catalog)
+                # a local tier's pointer moved by a writer fenced beside the new holder
+                log.warning("%s: latest step %d is a fenced writer's; listing the others",
+                            catalog.uri(""), found.step)  # fmt: skip
         except (NotFoundError, CorruptCheckpointError) as e:
             log.warning(
                 "%s: latest pointer is unusable (%s); falling back to listing", catalog.uri(""), e

@@ -27,6 +27,7 @@ from ckptstore.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntr
 from ckptstore.observer import SaveObserver
 from ckptstore.payload import Progress, SourceFile, file_reader
 from ckptstore.plan import Plan
+from ckptstore.pointer import Pointer
 from ckptstore.removal import Remover
 from ckptstore.resolver import Resolver
 from ckptstore.transfer import scan_dir
@@ -40,6 +41,8 @@ class Tiers(Protocol):
     def durable_latest(self) -> int | None: ...
 
     def durable_holds(self, step: int) -> bool: ...
+
+    def fences(self) -> Pointer | None: ...
 
     def decide(self, step: int) -> bool: ...
 
@@ -103,6 +106,11 @@ class Saver:
             durable = self.tiers.durable_latest()
             step = durable if step is None or (durable is not None and durable > step) else step
         return step
+
+    def fences(self) -> Pointer | None:
+        """The pointer whose fences judge this store's steps, in any tier: the durable one's
+        (a local tier has no lease, so a writer fenced there still commits: node_tier.py)."""
+        return self.tiers.fences() if self.tiers is not None else self.catalog.pointer_or_none()
 
     def holds(self, step: int) -> bool:
         """Whether a tier of this store holds ``step`` committed and readable (fresh reads)."""
