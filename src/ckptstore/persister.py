@@ -68,14 +68,14 @@ def persist(
         present = saver.catalog.payload_sizes(step)
 
         def abandon(_: set[str]) -> None:
-            _abandon(coordinator)
+            _abandon(coordinator, set(attempts))
 
         try:
             for attempt in attempts:  # the markers say whose files these are (garbage.py)
                 saver.committer.begin_attempt(step, epoch, attempt, save=plan.save)
             copy(step, [f for f in manifest.files if present.get(f.key(step)) != f.size])
         except BaseException:
-            abandon(set())
+            _abandon(coordinator, set(attempts))
             raise
         try:
             return coordinator.publish(manifest.files, lambda _: manifest, on_failure=abandon)
@@ -98,11 +98,11 @@ def _refuse_fenced(saver: Saver, manifest: Manifest) -> None:
         )
 
 
-def _abandon(coordinator: Coordinator) -> None:
-    """Remove what a failed persist copied: its attempts are the local manifest's, which the
+def _abandon(coordinator: Coordinator, attempts: set[str]) -> None:
+    """Remove what a failed persist copied. Its attempts are the local manifest's, which the
     store's next lease holder may be persisting at the same moment (a writer fenced beside it
-    on one node), so only under the lease, renewed now (a fenced writer deletes nothing:
-    ``gc`` does), and only the attempts whose markers still name this persist."""
+    on one node): so only under the lease, renewed now. A fenced writer deletes nothing (gc
+    does); the holder may, as no other writer can commit these attempts meanwhile."""
     saver = coordinator.saver
     try:
         saver.hold_lease()
@@ -110,8 +110,8 @@ def _abandon(coordinator: Coordinator) -> None:
         log.warning("%s: the files of step %d's failed persist are left to gc: %s",
                     saver.uri, coordinator.step, e)  # fmt: skip
         return
-    step, save = coordinator.step, coordinator.plan.save
-    clean_up(lambda: saver.remover.discard_save(step, save), f"step {step}'s persisted files")
+    step = coordinator.step
+    clean_up(lambda: saver.remover.discard_attempts(step, attempts), f"step {step}'s copied files")
 
 
 def _committed_manifest(saver: Saver, step: int) -> Manifest | None:

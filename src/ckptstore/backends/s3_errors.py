@@ -77,9 +77,9 @@ class NoAnswer(BotoCoreError):
     seconds, retries included: it accepted no connection (``accepted`` False), or accepted one
     and sent no byte of an answer (True), or the attempt was given up in between (None)."""
 
-    fmt = "no answer within {seconds:g} s (first_byte_timeout): {last_error}"
+    fmt = "no answer within {seconds:g} s (first_byte_timeout); last error: {last_error}"
 
-    def __init__(self, *, seconds: float, accepted: bool | None, last_error: str) -> None:
+    def __init__(self, *, seconds: float, accepted: bool | None, last_error: str | None) -> None:
         super().__init__(seconds=seconds, accepted=accepted, last_error=last_error)
         self.seconds, self.accepted, self.last_error = seconds, accepted, last_error
 
@@ -186,10 +186,11 @@ def no_answer_message(e: NoAnswer, endpoint: str, target: str, action: str) -> s
         what = f"{endpoint} accepted the connection but sent no answer {within}"
     else:
         what = f"{endpoint} sent no answer {within}"
+    last = f" (last error: {e.last_error})" if e.last_error else ""
     return (
-        f"{what}, to {action} {target}; check endpoint_url / AWS_ENDPOINT_URL and the server, "
-        "or raise storage_options first_byte_timeout (-o first_byte_timeout=SECONDS) if it is "
-        f"this slow to answer (last error: {e.last_error})"
+        f"{what}, to {action} {target}{last}; check endpoint_url / AWS_ENDPOINT_URL and the "
+        "server, or raise storage_options first_byte_timeout (-o first_byte_timeout=SECONDS) "
+        "if it is this slow to answer"
     )
 
 
