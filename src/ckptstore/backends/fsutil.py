@@ -24,6 +24,7 @@ import os
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 from ckptstore import deadline
 from ckptstore.backends.base import Chunk
@@ -50,12 +51,13 @@ def write_temp(target: Path, chunks: Iterable[Chunk]) -> tuple[Path, int]:
     """Write ``chunks`` to a fsynced temp file beside ``target``; returns it and its size.
 
     The caller moves it into place (rename, or link for create-only). On any failure the temp
-    file is removed and the error re-raised. The directory must exist.
+    file is removed and the error re-raised. The directory must exist; one that a concurrent
+    delete removed while it was empty (it prunes empty directories) is made again.
     """
     tmp = temp_path(target)
     size = 0
     try:
-        with open(tmp, "xb") as f:
+        with _open_new(tmp) as f:
             for chunk in chunks:
                 deadline.check(str(target), doing="write", bytes_done=size)
                 size += f.write(chunk)
@@ -65,6 +67,16 @@ def write_temp(target: Path, chunks: Iterable[Chunk]) -> tuple[Path, int]:
         unlink_quietly(tmp)
         raise
     return tmp, size
+
+
+def _open_new(tmp: Path) -> BinaryIO:
+    """``open(tmp, "xb")``, making its directory again if it vanished meanwhile."""
+    for _ in range(3):
+        try:
+            return open(tmp, "xb")
+        except FileNotFoundError:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+    return open(tmp, "xb")
 
 
 def atomic_write(target: Path, chunks: Iterable[Chunk]) -> int:
