@@ -5,13 +5,15 @@ ones; at most one crash everywhere) and must hold every invariant while explorin
 known number of schedules, so the test cannot pass by exploring nothing (the defects the
 scenarios found are regression tests in test_explorer_findings.py).
 The self-tests feed the explorer deliberately broken actors and check that it names the
-invariant they break, that its bound counts what it says, that ``after`` orders actors, that a
-crash stops cleanup code from touching storage, and that runs are reproducible.
+invariant they break (those between a store's two tiers included), that its bound counts what
+it says, that ``after`` orders actors, that a crash stops cleanup code from touching storage,
+and that runs are reproducible.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import json
 import re
@@ -28,10 +30,17 @@ from ckptstore.lease_record import LeaseRecord, Process
 from ckptstore.manifest import KIND_DIRECTORY, FileEntry, Manifest, encode_tombstone
 from harness import explore as ex
 from harness.cleanup import rolled_forward
-from harness.invariants import payload_key
+from harness.invariants import closed_left_durable, payload_key
 from harness.scenarios import SCENARIOS, Scenario, World
 from harness.scheduled_backend import ScheduledBackend
-from harness.scheduler import Actor, Choice, ExplorerError, InlineExecutor, Scheduler
+from harness.scheduler import (
+    Actor,
+    Choice,
+    ExplorerError,
+    InlineExecutor,
+    Scheduler,
+    explorer_pool,
+)
 
 MIN_SCHEDULES = {
     "same-step": 400,
@@ -47,9 +56,10 @@ MIN_SCHEDULES = {
     "coordinated-discard": 800,
     "takeover-gc": 800,
     "fenced-gc": 700,
+    "tiers": 35,
 }
 """Well below today's counts (1540, 973, 1577, 256, 349, 3339, 10526, 335, 1635, 1638, 1742,
-1753 and 1461): the
+1753, 1461 and 46): the
 code under test may gain or lose an operation, but a run that explores far fewer is not the one
 CI needs."""
 
@@ -274,6 +284,139 @@ def test_a_resume_that_loads_a_state_nobody_saved_is_caught() -> None:
 
     result = ex.explore(_toy(forgetful, _committed_step_1), ex.Bounds(0, 0))
     assert [f.violation.invariant for f in result.failures] == ["resume-loads-a-saved-state"]
+
+
+# -- self-tests: the invariants between a store's two tiers (scenario tiers) ----------------------
+
+
+def _tiered_step_1(w: World) -> None:
+    with w.tiered_store() as job:  # step 1 in both tiers, the lease released
+        w.setup_save(job, 1, {"step": 1})
+
+
+def _empty_step(step: int, writer: str, epoch: int = 0) -> Manifest:
+    """A committed directory step with no files: whole wherever its manifest is."""
+    env = current_environment(world_size=1)
+    return Manifest(step, 0.0, KIND_DIRECTORY, (), env, writer, lease_epoch=epoch)
+
+
+def _two_manifests(w: World) -> list[Actor]:
+    w.expect(2, {})
+
+    def commit_twice() -> None:
+        w.local.create(layout.manifest_path(2), _empty_step(2, "local-writer").encode())
+        w.backend.create(layout.manifest_path(2), _empty_step(2, "durable-writer").encode())
+
+    return [Actor("sloppy", commit_twice)]
+
+
+def _persisted_then_fenced(w: World) -> list[Actor]:
+    w.expect(2, {})
+    manifest = _empty_step(2, "host:1:zombie", epoch=1).encode()
+
+    def persist_then_fence() -> None:  # step 2 committed locally, persisted, then fenced
+        w.local.create(layout.manifest_path(2), manifest)
+        w.backend.create(layout.manifest_path(2), manifest)
+        fenced = _pointer(w, epoch=5, fences=[[5, 1, "host:1:zombie"]])
+        w.backend.write(layout.LATEST_NAME, [fenced])
+
+    return [Actor("stamper", persist_then_fence)]
+
+
+def _local_step_nobody_saved(w: World) -> list[Actor]:
+    step = _empty_step(2, "host:1:a").encode()
+    return [Actor("sloppy", lambda: w.local.create(layout.manifest_path(2), step))]
+
+
+def _closed_with_a_local_step(w: World) -> list[Actor]:
+    w.expect(2, {})
+    step = _empty_step(2, "host:1:a").encode()
+    return [Actor("next", lambda: w.local.create(layout.manifest_path(2), step))]
+
+
+@pytest.mark.parametrize(
+    ("actors", "invariant"),
+    [
+        (_two_manifests, "tier-copies-identical"),
+        (_persisted_then_fenced, "persisted-never-fenced"),
+        (_local_step_nobody_saved, "tiered-latest"),
+        (_closed_with_a_local_step, "closed-writer-left-its-step-durable"),
+    ],
+)
+def test_a_broken_tier_is_caught(actors: Callable[[World], list[Actor]], invariant: str) -> None:
+    toy = Scenario(
+        "toy", "a deliberately broken tier", actors, _tiered_step_1,
+        final=(closed_left_durable("next"),),
+    )  # fmt: skip
+    result = ex.explore(toy, ex.Bounds(preemptions=0, crashes=0))
+    assert [f.violation.invariant for f in result.failures] == [invariant]
+
+
+def _fenced_writers_local_step_removed(w: World, *, fence: bool) -> list[Actor]:
+    """A writer fenced beside the new holder commits step 2 in the local tier and moves its
+    ``latest`` there; the new holder (``fence``: whose takeover fenced it) removes it."""
+    zombie = "host:1:zombie"
+    step = _empty_step(2, zombie, epoch=1).encode()
+    body = json.loads(w.local.read(layout.LATEST_NAME))
+    moved = json.dumps({**body, "step": 2, "manifest": layout.manifest_path(2)}).encode()
+
+    def run() -> None:
+        if fence:
+            w.backend.write(layout.LATEST_NAME, [_pointer(w, epoch=5, fences=[[5, 1, zombie]])])
+        w.local.create(layout.manifest_path(2), step)
+        w.local.write(layout.LATEST_NAME, [moved])
+        w.local.delete([layout.manifest_path(2)])
+
+    return [Actor("holder", run)]
+
+
+@pytest.mark.parametrize(
+    ("fence", "invariants"), [(True, []), (False, ["retention-deletes-safely"])]
+)
+def test_a_local_tier_is_fenced_by_the_durable_pointer(fence: bool, invariants: list[str]) -> None:
+    """The local tier has no fences of its own: a fenced writer's step there (which its
+    ``latest`` may name) is judged by the durable pointer's, and its removal is no prune."""
+    build = functools.partial(_fenced_writers_local_step_removed, fence=fence)
+    toy = Scenario("toy", "a fenced writer's local step", build, _tiered_step_1)
+    result = ex.explore(toy, ex.Bounds(preemptions=0, crashes=0))
+    assert [f.violation.invariant for f in result.failures] == invariants
+
+
+def test_a_local_tiers_protocol_is_judged_by_its_own_checker() -> None:
+    """A manifest committed in the local tier before its files breaks committed-step-whole
+    there, named as the local tier's; the same paths in the store's would be judged there."""
+    result = ex.explore(_toy(_local_manifest_before_payload), ex.Bounds(0, 0))
+    assert [f.violation.invariant for f in result.failures] == ["committed-step-whole"]
+    failure = result.failures[0]
+    assert failure.violation.message.startswith("in the local tier: step 5")
+    assert "local:global_step_5/ckptstore.manifest.json" in "\n".join(failure.trace)
+
+
+def _local_manifest_before_payload(w: World) -> list[Actor]:
+    data = b"payload"
+    crc = Crc32c()
+    crc.update(data)
+    entry = FileEntry("blob.bin", len(data), crc.hexdigest())
+    manifest = Manifest(5, 0.0, KIND_DIRECTORY, (entry,), current_environment(world_size=1), "t")
+
+    def sloppy() -> None:
+        w.local.create(layout.manifest_path(5), manifest.encode())
+        w.local.write(payload_key(5, entry), [data])
+
+    return [Actor("sloppy", sloppy)]
+
+
+def test_a_background_copy_runs_when_its_store_waits() -> None:
+    """The persister's thread, during an exploration: its task runs in the thread that waits
+    for it, after the tasks queued before it, and never if nobody waits."""
+    ran: list[int] = []
+    pool = explorer_pool(1, thread_name_prefix="ckpt-persist")
+    first, second = (pool.submit(ran.append, n) for n in (1, 2))
+    pool.submit(ran.append, 3)
+    assert ran == []
+    second.result()
+    assert ran == [1, 2] and first.done()
+    assert isinstance(explorer_pool(4, thread_name_prefix="ckpt-write"), InlineExecutor)
 
 
 # -- self-tests: the bound, crashes, determinism ---------------------------------------------------

@@ -14,6 +14,15 @@ here without them, deterministically, as regression tests of their fixes.
 * ``latest.json`` left behind the newest committed step (a writer killed between its commit
   and the pointer's move): ``delete`` and the save's behind-latest refusal judged "latest" by
   the pointer, while ``latest()`` (and every load) says the newest step. State machine.
+* A local tier shared by a writer that lost the lease (a zombie on the same node) and its
+  replacement. The local tier took the zombie's commits and nothing judged its pointer by the
+  durable fences: the zombie's step was latest() (the resolver took a faster tier's pointer
+  step unjudged), the new holder persisted it as the durable latest (close() and start()
+  persisted without the fences) and could not save over it (the step was judged free by
+  the local pointer, which has no fences); and a zombie's failed persist deleted the files
+  of the new holder's persist of the same step, which shares its attempt ids (persisting
+  commits the local manifest verbatim). Explorer: ``tiers`` with the next writer beside the
+  first (no ``after``), at preemption bound 1 with a crash, or 2.
 
 Each test drives the public API; where a race is needed, a backend proxy runs the other
 party's call at the one point the explorer's schedule interleaves it.
@@ -35,7 +44,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstore import CheckpointStore, layout, removal
+from ckptstore import CheckpointStore, layout, removal, wiring
 from ckptstore.backends.base import Backend
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
@@ -272,7 +281,7 @@ def _stale_pointer(root: Path, newest: int = 3) -> CheckpointStore:
         return original_swap(path, data, expected)
 
     switch.swap = die_at_the_pointer  # type: ignore[method-assign]
-    with pytest.raises(InjectedFault):
+    with contextlib.suppress(InjectedFault):  # a step committed is reported committed
         CheckpointStore(uri, backend=switch, lease=False).save(newest, state(newest))
     store = CheckpointStore(uri, lease=False)
     latest = store.latest()
@@ -316,3 +325,137 @@ def test_an_older_step_saved_on_purpose_does_not_make_a_stale_pointer_trusted(
     with pytest.raises(StepBehindLatestError):
         store.save(4, state(4))
     assert [i.step for i in store.list()] == [1, 2, 5]
+
+
+# -- a local tier shared by a fenced writer and its replacement (explorer: tiers, zombie) --------
+#
+# Found by the ``tiers`` scenario run with the next writer *beside* the first (no ``after``:
+# it takes the store over while the first is alive, a zombie on the same node) at preemption
+# bound 2 (and bound 1 with a crash). The local tier has no lease of its own and no fences:
+# a zombie still commits there, so every way from the local tier to a load or to the durable
+# tier must apply the durable pointer's fences to the local pointer's step.
+
+
+def _tiered(durable: str, local: str, **options: Any) -> CheckpointStore:
+    return _leased(durable, local=local, persist_every=2, **options)
+
+
+def _zombie_commits_locally_after_a_takeover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, str, CheckpointStore, CheckpointStore]:
+    """Job A (local tier L) saved step 1, durable. It saves step 2: right after its last
+    renewal of the lease and before its local manifest, job B opens the store with the same
+    local tier and ``takeover=True``, which fences A's steps above 1 (step 2 is not committed
+    anywhere yet). A, not killed, commits step 2 in L and moves L's latest to it."""
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    interleave = Interleave(open_backend(local))
+    with monkeypatch.context() as patched:
+        patched.setattr(wiring, "open_backend", lambda uri, options=None: interleave)
+        zombie = _tiered(durable, local)
+    zombie.save(1, state(1), persist=True)
+    zombie.wait()
+    taken: list[CheckpointStore] = []
+    interleave.before[("create", layout.manifest_path(2))] = lambda: taken.append(
+        _tiered(durable, local, takeover=True)
+    )
+    with contextlib.suppress(CheckpointError):
+        zombie.save(2, state(2))
+    assert taken and not interleave.before, "the takeover did not run where the explorer ran it"
+    new = taken[0]
+    assert 2 in new.fenced_steps(), "step 2 should be the zombie's: committed after the fence"
+    return durable, local, zombie, new
+
+
+def test_a_zombies_local_step_is_never_latest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Explorer ``tiers`` (zombie variant), invariant tiered-latest: latest() of the new
+    holder, and of any store over both tiers, was A's fenced step 2 (the local pointer's),
+    and load() loaded it. It is step 1."""
+    durable, local, _, new = _zombie_commits_locally_after_a_takeover(tmp_path, monkeypatch)
+    reader = CheckpointStore(durable, local=local, lease=False)
+    for store in (new, reader):
+        latest = store.latest()
+        found = latest.step if latest is not None else None
+        assert found == 1, f"latest() is step {found} ({latest.tier if latest else ''}), fenced"
+        assert torch.equal(store.load()["w"], state(1)["w"])
+
+
+def test_the_new_holder_never_persists_a_zombies_local_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Explorer ``tiers`` (zombie variant), invariant latest-never-fenced (durable tier): B
+    resumed from step 1 before A's local commit; its save of step 2 failed (see the next
+    test), and its close() persisted A's step 2 as the durable latest, a fenced step every
+    plain store resumed from. Whatever B's save does, the durable latest is never fenced."""
+    durable, _, _, new = _zombie_commits_locally_after_a_takeover(tmp_path, monkeypatch)
+    with contextlib.suppress(CheckpointError):
+        new.save(2, state(22))
+    with contextlib.suppress(CheckpointError):
+        new.close()
+    plain = CheckpointStore(durable, lease=False)
+    latest = plain.latest()
+    assert latest is not None and latest.step not in plain.fenced_steps(), (
+        f"the durable latest is step {latest.step if latest else None}, fenced "
+        f"({plain.fenced_steps()})"
+    )
+
+
+def test_the_new_holder_saves_over_a_zombies_local_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Explorer ``tiers`` (zombie variant): B, resumed from step 1, saves step 2 over A's
+    fenced local step 2, as a durable-only store does (fenced-gc); it was refused as
+    committed."""
+    _, _, _, new = _zombie_commits_locally_after_a_takeover(tmp_path, monkeypatch)
+    new.save(2, state(22))
+    assert torch.equal(new.load(2)["w"], state(22)["w"])
+
+
+class Gate(BackendProxy):
+    """Holds the first write under ``prefix`` until ``go`` is set (``reached`` says it
+    waits): a thread of the process stopped there, as the explorer's schedule stops it."""
+
+    def __init__(self, inner: Backend, prefix: str) -> None:
+        super().__init__(inner)
+        self.prefix = prefix
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def write(self, path: str, chunks: Any) -> int:
+        if path.startswith(self.prefix) and not self.reached.is_set():
+            self.reached.set()
+            assert self.go.wait(30), "the gate was never opened"
+        return super().write(path, chunks)
+
+
+def test_a_zombies_failed_persist_leaves_the_new_holders_persist_whole(tmp_path: Path) -> None:
+    """Explorer ``tiers`` (zombie variant), invariant committed-step-whole (durable tier):
+    A's step 2 is due; its persist stops before its first durable write. B takes over (the
+    fence admits step 2: it is committed in the local tier) and persists the pinned step 2
+    itself; right before B's manifest, A's persist goes on and fails at its fence check. Its
+    cleanup discarded the attempt, which is B's too (the local manifest's), and B committed
+    a step whose files were gone. B's step 2 is whole."""
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    gate = Gate(open_backend(durable), layout.step_dir(2) + "/")
+    zombie = _tiered(durable, local, backend=gate)
+    zombie.save(1, state(1), persist=True)
+    zombie.wait()
+    zombie.save(2, state(2), persist=True)  # committed locally; its persist runs in the back
+    assert gate.reached.wait(30), "the zombie's persist never reached the durable tier"
+    interleave = Interleave(open_backend(durable))
+    new = _tiered(durable, local, backend=interleave, takeover=True)
+
+    def zombie_persist_goes_on() -> None:
+        gate.go.set()
+        with contextlib.suppress(CheckpointError):
+            zombie.wait()  # fails: FencedError at its renewal, after which it cleans up
+
+    interleave.before[("create", layout.manifest_path(2))] = zombie_persist_goes_on
+    new.save(3, state(3))  # the first write: persists the pinned step 2 in the background
+    with contextlib.suppress(CheckpointError):
+        new.wait()
+    assert not interleave.before, "the zombie did not go on where the explorer ran it"
+    plain = CheckpointStore(durable, lease=False)
+    assert 2 in [i.step for i in plain.list()], "the new holder did not persist step 2"
+    report = plain.verify(2)
+    assert report.ok, f"step 2 is committed in the durable tier but broken: {report.problems}"

@@ -18,6 +18,10 @@ the state each was saved with, and the pins. What must be true, whatever the seq
   store object is abandoned) commits the step whole or not at all and loses no step retention
   would not delete; the next writer takes over.
 
+:class:`TieredStoreModel` runs save, load, wait, close and reopen, and kills (also during a
+copy, and with the local tier lost) on a store with a local tier, against a model of where
+each step is (its docstring).
+
 Deterministic (``derandomize=True``, no example database) and bounded so it runs in a few
 seconds in CI; ``CKPTSTORE_MODEL_EXAMPLES`` raises the number of examples for a longer hunt.
 """
@@ -47,6 +51,7 @@ from hypothesis.stateful import (
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
+from ckptstore.environment import current_environment
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
@@ -54,10 +59,11 @@ from ckptstore.errors import (
     StepBehindLatestError,
 )
 from ckptstore.lease_record import read_lease
-from ckptstore.manifest import Manifest
+from ckptstore.manifest import Environment, Manifest
 from faults import FaultyBackend, InjectedFault
 from harness.cleanup import committed_objects
 from harness.invariants import same_state
+from harness.scheduler import inline_thread_pools
 
 KEEP_LAST = 3
 EXAMPLES = int(os.environ.get("CKPTSTORE_MODEL_EXAMPLES", "60"))
@@ -399,6 +405,301 @@ TestStoreModel = StoreModel.TestCase
 TestStoreModel.settings = settings(
     max_examples=EXAMPLES,
     stateful_step_count=STEPS_PER_EXAMPLE,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=tuple(Phase) if SHRINK else (Phase.explicit, Phase.reuse, Phase.generate),
+)
+
+
+# -- the same store with a local tier in front of it (tiers.py) ----------------------------------
+
+PERSIST_EVERY = 2
+LOCAL_KEEP_LAST = 2
+TIERED_EXAMPLES = max(1, EXAMPLES // 4)
+TIERED_STEPS = 20
+FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+"""tmpfs where there is one: the local backend's fsyncs cost nothing there."""
+
+
+_ENVIRONMENT: list[Environment] = []
+
+
+def _described(store: CheckpointStore) -> CheckpointStore:
+    """Spare the store its environment probe (the same answer for every store here)."""
+    if not _ENVIRONMENT:
+        _ENVIRONMENT.append(current_environment(world_size=1))
+    vars(store)["_environment"] = _ENVIRONMENT[0]
+    return store
+
+
+class TieredStoreModel(RuleBasedStateMachine):
+    """One store with a local tier (``persist_every=2``, ``local_keep_last=2``), its writer
+    and its killed writers, against a model of where each step is.
+
+    The store's background thread (its copies to the durable tier) runs the copies when the
+    store waits for them (``wait()``, ``close()``: harness.scheduler.DeferredExecutor), so
+    the model knows which copies ran: none between two waits, all of them at a wait (or
+    those before the kill, where the writer dies at its n-th durable write of a wait). Its
+    other pools run each task at submission, as in the explorer: one order, no thread to
+    start. What must hold, whatever the sequence:
+
+    * ``latest()`` (of a fresh store over both tiers) is the newest step saved, and
+      ``load()`` returns it; every step either tier holds loads what was saved as it;
+    * a save commits in the local tier; it is due, and pinned there, when ``persist=True``
+      or every second save of a writer; the local tier keeps its 2 newest steps plus the
+      pinned ones (exactly: the model predicts each tier's steps and the pins);
+    * after ``wait()`` every due step is durable (those a killed writer left pinned once
+      the next writer wrote), its pin gone, the durable ``latest`` the newest durable step;
+    * after ``close()`` of a writer that saved, its last step is durable and ``latest``
+      there; the local tier holds at most 2 steps plus the pinned ones (none);
+    * a kill (the store abandoned, perhaps dying at its n-th durable write while copying)
+      loses no step that was durable and no local one retention would keep: the next
+      writer (``takeover=True``) persists what the kill left pinned; a lost local tier
+      (a node replaced) leaves the durable steps;
+    * a step both tiers hold has the same manifest in both, and no step is fenced.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pools = contextlib.ExitStack()
+        self.pools.enter_context(inline_thread_pools())
+        self.root = Path(tempfile.mkdtemp(prefix="ckpt-tiers-", dir=FAST_TMP))
+        self.uri, self.local_dir = str(self.root / "durable"), str(self.root / "local")
+        self.states: dict[int, Any] = {}
+        """The state each step was saved with."""
+        self.local: set[int] = set()
+        self.durable: set[int] = set()
+        self.pinned: set[int] = set()
+        """The model: the steps each tier holds committed, and the local tier's pins."""
+        self.queued: list[int] = []
+        """Copies the writer queued that have not run (they run at its next wait)."""
+        self.due: set[int] = set()
+        """Steps judged due (by any writer) and committed locally: durable after a wait."""
+        self.since = 0
+        """The writer's saves since its last due one (``persist_every`` counts them)."""
+        self.started = False
+        """Whether the writer wrote (its first write persists the pins a kill left)."""
+        self.loaded: dict[int, Manifest] = {}
+        self.dead: list[CheckpointStore] = []
+        self.writer, self.switch = self._open()
+        self.durable_reader = _described(CheckpointStore(self.uri, lease=False))
+        self.local_reader = _described(CheckpointStore(self.local_dir, lease=False))
+        """The local tier read as a store of its own (it has a store's layout)."""
+        self.tiered_reader = _described(
+            CheckpointStore(self.uri, local=self.local_dir, lease=False)
+        )
+        """Views of the store of their own, as a job resuming elsewhere has; each forgets
+        the manifests it read before each look (:meth:`_readers`)."""
+
+    def _open(self, *, takeover: bool = False) -> tuple[CheckpointStore, FaultyBackend]:
+        switch = KillSwitch(open_backend(self.uri), fail_at=None, mode="crash")
+        store = CheckpointStore(
+            self.uri, backend=switch, local=self.local_dir, persist_every=PERSIST_EVERY,
+            local_keep_last=LOCAL_KEEP_LAST, lease_ttl=math.inf, takeover=takeover,
+        )  # fmt: skip
+        return _described(store), switch
+
+    def _reopen(self, *, takeover: bool) -> None:
+        self.writer, self.switch = self._open(takeover=takeover)
+        self.queued, self.since, self.started = [], 0, False
+
+    def teardown(self) -> None:
+        for store in self.dead:
+            switch = store.backend
+            assert isinstance(switch, FaultyBackend)
+            switch.fail_at, switch.fired = None, False
+        for store in [self.writer, *self.dead]:
+            with contextlib.suppress(CheckpointError):
+                store.close()
+        self.pools.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _latest(self) -> int | None:
+        return max(self.local | self.durable, default=None)
+
+    def _readers(self) -> tuple[CheckpointStore, CheckpointStore, CheckpointStore]:
+        """The durable tier's reader, the local tier's and the tiered one, each with no
+        manifest remembered."""
+        readers = (self.durable_reader, self.local_reader, self.tiered_reader)
+        for reader in readers:
+            reader.reload()
+        return readers
+
+    def _truth(self) -> tuple[set[int], set[int], set[int]]:
+        """The durable tier's committed steps, the local tier's, and the local pins."""
+        durable, local, _ = self._readers()
+        return (
+            {i.step for i in durable.list()},
+            {i.step for i in local.list()},
+            set(local.pins()),
+        )
+
+    def _retain_locally(self) -> None:
+        """The local tier's retention: its 2 newest steps and the pinned ones stay."""
+        self.local &= set(sorted(self.local)[-LOCAL_KEEP_LAST:]) | self.pinned
+
+    def _copies_ran(self) -> None:
+        """Every queued copy ran and succeeded: durable, unpinned, then local retention."""
+        if not self.queued:
+            return
+        self.durable |= set(self.queued)
+        self.pinned -= set(self.queued)
+        self.queued = []
+        self._retain_locally()
+
+    # -- saving ----------------------------------------------------------------------------
+
+    @initialize()
+    def first_step(self) -> None:
+        self.save(1, 0, persist=True)
+        self.wait()
+
+    @rule(delta=st.integers(1, 3), variant=st.integers(0, 3))
+    def save(self, delta: int, variant: int, persist: bool = False) -> None:
+        step = (self._latest() or 0) + delta
+        state = state_of(step, variant)
+        if not self.started:  # the first write: the pins a kill left are persisted
+            self.started = True
+            self.pinned &= self.local
+            self.pinned -= self.durable
+            self.queued += sorted(self.pinned - set(self.queued))
+        assert self.writer.save(step, state, persist=persist).step == step
+        due = persist or self.since + 1 >= PERSIST_EVERY
+        self.since = 0 if due else self.since + 1
+        self.states[step] = state
+        self.local.add(step)
+        if due:
+            self.pinned.add(step)
+            self.queued.append(step)
+            self.due.add(step)
+        self._retain_locally()
+
+    @rule(delta=st.integers(1, 3), variant=st.integers(0, 3))
+    def save_persisting(self, delta: int, variant: int) -> None:
+        """``persist=True`` (a final or a preemption save): due whatever the count says."""
+        self.save(delta, variant, persist=True)
+
+    @rule()
+    def wait(self) -> None:
+        self.writer.wait()
+        self._copies_ran()
+        durable, _, pins = self._truth()
+        if self.started:
+            assert self.due <= durable, f"due steps {sorted(self.due - durable)} not durable"
+            assert not pins, f"steps {sorted(pins)} still pinned after wait()"
+        latest = self.durable_reader.latest()
+        assert (latest.step if latest else None) == max(durable, default=None)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def load(self, data: st.DataObject) -> None:
+        step = data.draw(st.sampled_from(sorted(self.local | self.durable)), label="step")
+        assert same_state(self.writer.load(step), self.states[step]), f"step {step} differs"
+        latest = self._latest()
+        assert latest is not None
+        assert same_state(self.writer.load(), self.states[latest]), "latest differs"
+
+    # -- writers come and go ---------------------------------------------------------------
+
+    @rule()
+    def close_reopen(self) -> None:
+        """close() makes a writer's last step durable (one that saved: a store opened and
+        closed without a save persists nothing) and waits for every copy."""
+        newest = max(self.local, default=None)
+        self.writer.close()
+        if self.started and newest is not None:
+            if newest not in self.durable | set(self.queued):
+                self.pinned.add(newest)
+                self.queued.append(newest)
+            self._copies_ran()
+            durable, local, pins = self._truth()
+            assert newest in durable, f"closed, yet its last step {newest} is not durable"
+            latest = self.durable_reader.latest()
+            assert latest is not None and latest.step == newest
+            assert len(local - pins) <= LOCAL_KEEP_LAST, f"the local tier keeps {sorted(local)}"
+        self._reopen(takeover=False)
+
+    def _killed(self) -> None:
+        """The writer is abandoned (never closed, its lease held); the next one takes over."""
+        self.dead.append(self.writer)
+        self._reopen(takeover=True)
+
+    @rule(lose_local_tier=st.booleans())
+    def kill(self, lose_local_tier: bool) -> None:
+        """Killed between two waits: the copies it queued never ran; their pins stay. Or
+        the node is replaced (``lose_local_tier``): its local tier is gone, and the next
+        writer resumes from the durable tier; the local steps past it are lost."""
+        self._killed()
+        if lose_local_tier:
+            shutil.rmtree(self.local_dir, ignore_errors=True)
+            self.local, self.pinned = set(), set()
+            self.due &= self.durable
+
+    @rule(calls=st.integers(1, 12), delta=st.integers(1, 3))
+    def kill_persisting(self, calls: int, delta: int) -> None:
+        """The writer dies at its ``calls``-th durable write of a wait (nothing after it
+        reaches the durable tier), after a ``persist=True`` save if it had no copy queued:
+        each queued step is durable or still pinned, nothing durable is lost, the local tier
+        loses only what retention would drop."""
+        if not self.queued:
+            self.save(delta, 5, persist=True)
+        before = (set(self.durable), set(self.local), set(self.pinned), set(self.queued))
+        self.switch.fail_at = self.switch.count + calls
+        with contextlib.suppress(CheckpointError):
+            self.writer.wait()
+        self._killed()
+        durable, local, pins = self._truth()
+        was_durable, was_local, was_pinned, queued = before
+        assert was_durable <= durable <= was_durable | queued, (was_durable, durable, queued)
+        assert pins <= was_pinned and was_pinned - pins <= durable, (was_pinned, pins)
+        assert local <= was_local, (was_local, local)
+        assert set(sorted(was_local)[-LOCAL_KEEP_LAST:]) | pins <= local, (was_local, local)
+        self.durable, self.local, self.pinned = durable, local, pins
+
+    # -- after every rule ------------------------------------------------------------------
+
+    @invariant()
+    def the_tiers_hold_what_the_model_says(self) -> None:
+        durable, local, pins = self._truth()
+        assert (durable, local, pins) == (self.durable, self.local, self.pinned), (
+            f"durable {sorted(durable)} local {sorted(local)} pins {sorted(pins)}; the model: "
+            f"{sorted(self.durable)}, {sorted(self.local)}, {sorted(self.pinned)}"
+        )
+
+    @invariant()
+    def latest_is_the_newest_step_of_either_tier(self) -> None:
+        _, _, reader = self._readers()
+        latest, newest = reader.latest(), self._latest()
+        assert (latest.step if latest else None) == newest
+        if newest is not None and self.loaded.get(-1) != reader.info(newest).manifest:
+            assert same_state(reader.load(), self.states[newest]), "latest() loads otherwise"
+            self.loaded[-1] = reader.info(newest).manifest
+
+    @invariant()
+    def copies_are_identical_and_none_is_fenced(self) -> None:
+        durable, local, _ = self._readers()
+        here = {i.step: i.manifest for i in local.list()}
+        for info in durable.list():
+            if info.step in here:
+                assert info.manifest == here[info.step], f"step {info.step}: two manifests"
+        assert durable.fenced_steps() == []
+
+    @invariant()
+    def every_durable_step_loads_what_was_saved(self) -> None:
+        durable, _, _ = self._readers()
+        for info in durable.list():
+            if self.loaded.get(info.step) != info.manifest:
+                assert same_state(durable.load(info.step), self.states[info.step]), info.step
+                self.loaded[info.step] = info.manifest
+
+
+TestTieredStoreModel = TieredStoreModel.TestCase
+TestTieredStoreModel.settings = settings(
+    max_examples=TIERED_EXAMPLES,
+    stateful_step_count=TIERED_STEPS,
     deadline=None,
     derandomize=True,
     database=None,

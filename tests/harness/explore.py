@@ -10,7 +10,11 @@ backend call parks its actor until the explorer picks who goes next. A schedule 
 of picks. The explorer enumerates a scenario's (scenarios.py) schedules depth first, replaying
 each one from scratch (fresh backend and stores, the scenario's setup restored), and checks the
 protocol's invariants after every operation (invariants.py, lease_checks.py) and, at the end of
-each schedule, what must be left (cleanup.py) and what a fresh store resumes from.
+each schedule, what must be left (cleanup.py) and what a fresh store resumes from. A world's
+local tier (a second scheduled backend) has a checker of its own; where a run used it, the two
+tiers are judged together at its end (``check_tiers``). A store's background thread (a local
+tier's copies to the durable tier) runs its copies in its store's actor, when the store waits
+for them (scheduler.py's DeferredExecutor).
 
 The bound, CHESS-style (Musuvathi and Qadeer, "Iterative context bounding", PLDI 2007):
 
@@ -44,7 +48,17 @@ from unittest import mock
 
 from ckptstore.lease_record import Process
 from harness.cleanup import Final, only_committed_left
-from harness.invariants import READS, WRITES, Checker, Failure, Violation, short, trace
+from harness.invariants import (
+    READS,
+    WRITES,
+    Checker,
+    Failure,
+    Violation,
+    check_tiers,
+    in_local_tier,
+    short,
+    trace,
+)
 from harness.scenarios import SCENARIOS, Scenario, World
 from harness.scheduler import (
     Abandoned,
@@ -180,8 +194,10 @@ def replay(
 
 def _run(scenario: Scenario, replay: _Replay, prepared: dict[str, World]) -> Failure | None:
     world = World()
-    checker = Checker(world.backend)
-    world.scheduler.observers.append(checker.observe)
+    checker, local = Checker(world.backend), Checker(world.local, tier="local")
+    checker.faster = (local,)  # the local tier's own protocol, judged by its own checker
+    local.fenced_by = checker  # by the durable pointer's fences (the local tier has none)
+    world.scheduler.observers += [checker.observe, local.observe]
     if scenario.prepare is not None:
         if scenario.name not in prepared:
             prepared[scenario.name] = ready = World()
@@ -189,10 +205,13 @@ def _run(scenario: Scenario, replay: _Replay, prepared: dict[str, World]) -> Fai
         world.restore(prepared[scenario.name])
     actors = scenario.build(world)
     checker.roles.update({a.name: a.role for a in actors})
+    local.roles.update({a.name: in_local_tier(a.role) for a in actors})
     setup, first = world.scheduler.time, len(world.scheduler.events)
     world.scheduler.run(actors, replay.choose)
     events = world.scheduler.events[first:]
-    violation = checker.violation or _after_run(world, checker, scenario.final, events)
+    violation = (
+        checker.violation or local.violation or _after_run(world, checker, scenario.final, events)
+    )
     world.scheduler.observers.clear()
     if violation is None:
         return None
@@ -225,7 +244,13 @@ def _after_run(
         if found is not None:
             return found
     world.scheduler.phase = "resume"
-    return checker.check_resume(world.store(lease=False), world.saved)
+    found = checker.check_resume(world.store(lease=False), world.saved)
+    if found is not None or not world.local.objects:
+        return found
+    tiered, plain = world.tiered_store(lease=False), world.store(lease=False)
+    return check_tiers(
+        checker, checker.faster[0], events, tiered, plain, world.saved, world.resumed
+    )
 
 
 @contextlib.contextmanager

@@ -10,6 +10,10 @@ Actors have roles, which say what they may delete: a ``writer`` deletes no commi
 (except one that a fenced writer committed, which the protocol removes), a ``pruner`` (also a
 writer that applies retention after its save) deletes only steps below ``latest`` and not
 pinned, ``gc`` deletes no committed step and none of its files; ``setup`` is not judged.
+
+A store with a local tier (tiers.py) has two backends: each has its checker (the local tier
+follows the same protocol; there every writer prunes), which judges only its own backend's
+calls, and :func:`check_tiers` judges the two together at the end of a run.
 """
 
 from __future__ import annotations
@@ -48,6 +52,15 @@ INVARIANTS = {
     "resume-loads-a-saved-state": "a fresh store resumes from the newest unfenced committed "
     "step, and loads exactly a state some writer saved as that step (never a mix)",
     "actors-fail-cleanly": "an actor raises nothing but CheckpointErrors (or dies by a crash)",
+    "tier-copies-identical": "a step committed in the local and the durable tier has the same "
+    "manifest in both (persisting commits the local manifest verbatim)",
+    "persisted-never-fenced": "a step committed in the local tier before a takeover and "
+    "persisted (its manifest in the durable tier) is not fenced: fenced_steps() leaves it out",
+    "tiered-latest": "a fresh tiered store's latest() is the newest step committed in either "
+    "tier that the durable pointer's fences leave, and loads a state some writer saved as it; "
+    "no writer resumed from a fenced step",
+    "closed-writer-left-its-step-durable": "a writer that closed its tiered store made its last "
+    "step durable: the durable tier holds the local tier's newest step, and latest names it",
 }
 WRITES = frozenset({"write", "create", "swap", "copy", "delete"})
 READS = frozenset({"read", "read_into", "read_versioned", "stat", "list", "list_dirs"})
@@ -125,9 +138,23 @@ class Failure:
 class Checker:
     """Watches one run's events; the first violation stops the run (``violation``)."""
 
-    def __init__(self, backend: ScheduledBackend, roles: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, backend: ScheduledBackend, roles: Mapping[str, str] | None = None, *, tier: str = ""
+    ) -> None:
         self.backend = backend
         self.roles: dict[str, str] = dict(roles or {})
+        self.tier = tier
+        """The tier it watches, named in its messages ("": the store, one tier)."""
+        self.faster: tuple[Checker, ...] = ()
+        """The checkers of the tiers in front of this one (a local tier), for checks at the
+        end of a run that compare tiers."""
+        self.fenced_by: Checker | None = None
+        """The checker of the tier whose pointer's fences judge this tier's steps (a local
+        tier's: the durable tier's; None: this tier's own pointer)."""
+        self._removed_fenced: set[int] = set()
+        """Steps of a fenced writer removed here. In a local tier (no lease, no fences of its
+        own) such a writer may have moved ``latest`` to its step: the pointer names it until
+        the new holder commits over it (or a save repairs the pointer)."""
         self.violation: Violation | None = None
         self._manifests: dict[bytes, Manifest | None] = {}
         self._crcs: dict[int, str] = {}
@@ -138,6 +165,8 @@ class Checker:
     def observe(self, event: Event) -> None:
         if self.violation is not None or event.op not in WRITES or not event.effects:
             return
+        if event.backend and event.backend != self.backend.uri:
+            return  # another tier's call: its own checker judges it
         if self.roles.get(event.actor, "setup") == "setup":
             for effect in event.effects:  # who holds the lease: setup may have taken it
                 if effect.path == layout.LEASE_NAME:
@@ -147,7 +176,8 @@ class Checker:
         if found is None and self._may_break_state(event):
             found = self._check_state()
         if found is not None:
-            self.violation = Violation(found[0], found[1], event.seq)
+            where = f"in the {self.tier} tier: " if self.tier else ""
+            self.violation = Violation(found[0], where + found[1], event.seq)
             self.backend.scheduler.stop()
 
     # -- per operation ---------------------------------------------------------------------
@@ -225,7 +255,11 @@ class Checker:
         latest = _step_of(pointer) if pointer is not None else None
         if role == "gc":
             return "gc-spares-committed", f"gc uncommitted step {step}"
-        if fenced(pointer, step, manifest):
+        fences = pointer
+        if self.fenced_by is not None:
+            fences = _json(self.fenced_by.backend.objects.get(layout.LATEST_NAME))
+        if fenced(fences, step, manifest):
+            self._removed_fenced.add(step)
             return None  # a fenced writer's late step: never latest, removed by the protocol
         if role != "pruner":
             return "retention-deletes-safely", f"{actor} ({role}) uncommitted step {step}"
@@ -267,7 +301,7 @@ class Checker:
                 return "latest-names-committed", f"{layout.LATEST_NAME} is unreadable"
             step = pointer.get("step")
             manifest = self.committed(step) if isinstance(step, int) else None
-            if step is not None and manifest is None:
+            if step is not None and manifest is None and step not in self._removed_fenced:
                 return "latest-names-committed", f"latest names step {step}, not committed"
             if manifest is not None and fenced(pointer, manifest.step, manifest):
                 return (
@@ -343,6 +377,172 @@ class Checker:
         return None
 
 
+def in_local_tier(role: str) -> str:
+    """An actor's role in a local tier: a writer there applies the tier's retention
+    (``local_keep_last``) after each save and each persist, a pruner's role."""
+    return "pruner" if role == "writer" else role
+
+
+def local_commits(local: Checker, events: Sequence[Event]) -> list[tuple[int, int, Manifest]]:
+    """Every manifest committed in the local tier, in order: its step, the event that
+    committed it (-1: before the run, by its setup), the manifest. Local retention may have
+    removed it since, and a new lease holder may have committed the step anew over a fenced
+    writer's."""
+    found: list[tuple[int, int, Manifest]] = []
+    for event in events:
+        if event.backend != local.backend.uri:
+            continue
+        for effect in event.effects:
+            step = manifest_step(effect.path)
+            manifest = local.manifest_of(effect.after) if effect.after is not None else None
+            if step is not None and manifest is not None:
+                found.append((step, event.seq, manifest))
+    during = {step for step, _, _ in found}
+    before = [(s, -1, m) for s, m in sorted(local.committed_steps().items()) if s not in during]
+    return before + found
+
+
+def takeover_seq(durable: Checker, events: Sequence[Event]) -> int | None:
+    """The event at which a takeover began in the durable tier (the first), or None: its
+    stamp of ``latest`` with a new fence (lease.py stamps before the lease changes hands), or
+    else the lease taken from a holder that had not released it."""
+    for event in events:
+        if event.backend != durable.backend.uri:
+            continue
+        for effect in event.effects:
+            old = _json(effect.before) if effect.before is not None else None
+            new = _json(effect.after) if effect.after is not None else None
+            if new is None:
+                continue
+            if effect.path == layout.LATEST_NAME:
+                if len(new.get("fences", [])) > len((old or {}).get("fences", [])):
+                    return event.seq
+            elif (
+                effect.path == layout.LEASE_NAME
+                and old is not None
+                and old.get("released") is not True
+                and new.get("holder") != old.get("holder")
+            ):
+                return event.seq
+    return None
+
+
+def check_tiers(
+    durable: Checker,
+    local: Checker,
+    events: Sequence[Event],
+    tiered: Any,
+    plain: Any,
+    saved: Mapping[int, Sequence[Any]],
+    resumed: Sequence[Any] = (),
+) -> Violation | None:
+    """The invariants between a store's two tiers, at the end of a run: ``tiered`` is a fresh
+    store over both (no lease), ``plain`` a fresh store over the durable tier alone;
+    ``resumed``: the infos of the steps writers resumed from during the run."""
+    held = durable.committed_steps()
+    pointer = _json(durable.backend.objects.get(layout.LATEST_NAME))
+    commits = local_commits(local, events)
+    last = {step: manifest for step, _, manifest in commits}  # the copy a persist reads
+    for step, manifest in sorted(last.items()):
+        there = held.get(step)
+        if there is not None and there != manifest:
+            return Violation(
+                "tier-copies-identical",
+                f"step {step}: the durable manifest (writer {there.writer}, {len(there.files)} "
+                f"files) is not the one committed locally (writer {manifest.writer}, "
+                f"{len(manifest.files)} files)",
+                -1,
+            )
+    took = takeover_seq(durable, events)
+    try:
+        reported = set(plain.fenced_steps())
+    except CheckpointError as e:
+        return Violation("persisted-never-fenced", f"fenced_steps() failed: {e!r}", -1)
+    for step, seq, manifest in commits:
+        before = took is None or seq < took
+        if not before or held.get(step) != manifest:
+            continue
+        if step in reported or fenced(pointer, step, manifest):
+            when = "before the run" if seq < 0 else f"at event {seq}"
+            return Violation(
+                "persisted-never-fenced",
+                f"step {step}, committed locally {when} (the takeover: event {took}) by "
+                f"{manifest.writer} and persisted, is fenced: fenced_steps() = "
+                f"{sorted(reported)}, fences {pointer.get('fences') if pointer else None}",
+                -1,
+            )
+    for info in resumed:  # fences only accumulate: the last pointer's judge every resume
+        if fenced(pointer, info.step, info.manifest):
+            return Violation(
+                "tiered-latest",
+                f"a writer resumed from step {info.step} ({info.tier}), committed by "
+                f"{info.manifest.writer} after a takeover fenced it "
+                f"(fences {pointer.get('fences') if pointer else None})",
+                -1,
+            )
+    candidates = {**local.committed_steps(), **held}
+    steps = sorted(s for s, m in candidates.items() if not fenced(pointer, s, m))
+    name = "tiered-latest"
+    try:
+        info = tiered.latest()
+        newest = max(steps, default=None)
+        if (info.step if info is not None else None) != newest:
+            found = info.step if info is not None else None
+            return Violation(
+                name,
+                f"latest() is step {found}; unfenced steps committed: durable "
+                f"{sorted(s for s in steps if s in held)}, local "
+                f"{sorted(s for s in steps if s in local.committed_steps())}",
+                -1,
+            )
+        if info is None:
+            return None
+        state = _contents(tiered, info)
+    except CheckpointError as e:
+        return Violation(name, f"resuming failed: {type(e).__name__}: {e}", -1)
+    candidates_saved = saved.get(info.step, ())
+    if not any(same_state(state, c) for c in candidates_saved):
+        found = f"step {info.step} ({info.tier}) loads {state!r}, none of the "
+        return Violation(name, f"{found}{len(candidates_saved)} states saved as that step", -1)
+    return None
+
+
+def closed_left_durable(
+    actor: str,
+) -> Callable[[Checker, Sequence[Event]], Violation | None]:
+    """A final check (cleanup.py's ``Final``): where ``actor``, a writer of a tiered store
+    that closes it, returned normally, the local tier's newest step (but a fenced writer's)
+    is committed in the durable tier with the same manifest, and the durable ``latest``
+    names it."""
+
+    def check(durable: Checker, events: Sequence[Event]) -> Violation | None:
+        end = next((e for e in events if e.actor == actor and e.op == "end"), None)
+        if end is None or not end.outcome.startswith("returned") or not durable.faster:
+            return None
+        pointer = _json(durable.backend.objects.get(layout.LATEST_NAME))
+        mine = {
+            s: m
+            for s, m in durable.faster[0].committed_steps().items()
+            if not fenced(pointer, s, m)
+        }
+        if not mine:
+            return None
+        newest = max(mine)
+        held = durable.committed(newest)
+        if held == mine[newest] and _step_of(pointer) == newest:
+            return None
+        what = "not committed" if held is None else "committed" if held == mine[newest] else (
+            "committed with another manifest")  # fmt: skip
+        return Violation(
+            "closed-writer-left-its-step-durable",
+            f"{actor} closed, yet its last step {newest} is {what} in the durable tier, whose "
+            f"latest is step {_step_of(pointer)}",
+            -1,
+        )
+
+    return check
+
+
 def _contents(store: Any, info: Any) -> Any:
     """What a step holds: the state it loads, or (a directory step, a coordinated save of
     files) its files' bytes by path, each verified."""
@@ -402,7 +602,8 @@ def trace(events: Sequence[Event], violation: Violation, setup: int) -> tuple[st
     for e in events:
         if e.outcome == "abandoned" or e.actor == "resume":
             continue
-        paths = " ".join(e.paths)
+        tier = e.backend.rpartition("://")[2]  # a local tier's paths read local:<path>
+        paths = " ".join(f"{tier}:{p}" if tier not in ("", "store") else p for p in e.paths)
         number = "    "
         if e.op in ("start", "end"):
             what = "starts" if e.op == "start" else f"ends: {e.outcome}"

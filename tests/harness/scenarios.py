@@ -1,9 +1,11 @@
 """What the explorer explores: scenarios of actors over one in-memory store, and their world.
 
-A :class:`World` is one schedule's universe (a fresh scheduled backend, the stores opened on
-it, the states written); a :class:`Scenario` builds its actors (writers, a pruner, gc, a zombie
-writer and its replacement) and optionally a setup restored before each schedule. Kept apart
-from explore.py, which only enumerates schedules, so adding a scenario touches nothing else.
+A :class:`World` is one schedule's universe (a fresh scheduled backend, a second one for a
+local tier, the stores opened on them, the states written); a :class:`Scenario` builds its
+actors (writers, a pruner, gc, a zombie writer and its replacement, a tiered writer killed
+while persisting and the next one) and optionally a setup restored before each schedule. Kept
+apart from explore.py, which only enumerates schedules, so adding a scenario touches nothing
+else.
 """
 
 from __future__ import annotations
@@ -13,32 +15,43 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
+from ckptstore.backends.base import Backend
 from ckptstore.background import Abandon
 from ckptstore.errors import FencedError
+from ckptstore.info import CheckpointInfo
 from ckptstore.payload import SourceFile
 from ckptstore.store import CheckpointStore
 from harness.cleanup import Final, rolled_forward
+from harness.invariants import closed_left_durable, same_state
 from harness.jobs import CoordinatedJob
 from harness.scheduled_backend import ScheduledBackend
 from harness.scheduler import Actor, Scheduler
 
 
 class World:
-    """One schedule's universe: a backend, its scheduler, stores, and the states saved."""
+    """One schedule's universe: a backend, its scheduler, stores, and the states saved; and a
+    second backend, the local tier a tiered store (:meth:`tiered_store`) puts in front of it
+    (every node's, as though one node's disk: whoever opens the store there sees the same)."""
 
     def __init__(self) -> None:
         self.scheduler = Scheduler()
         self.backend = ScheduledBackend(self.scheduler)
+        self.local = ScheduledBackend(self.scheduler, "local")
+        """The local tier's storage, untouched unless a scenario opens a tiered store."""
         self.saved: dict[int, list[Any]] = {}
         """Every state some writer saves, by step: what a resume may return."""
         self.stores: list[CheckpointStore] = []
         """Kept alive for the run: a store that is collected releases its lease, a call."""
+        self.resumed: list[CheckpointInfo] = []
+        """The steps writers resumed from (``load()``), judged at the end of the run."""
 
     def restore(self, other: World) -> None:
         """Start from ``other``'s storage, logical time and saved states."""
-        self.backend.objects = dict(other.backend.objects)
-        self.backend.versions = other.backend.versions
+        for mine, theirs in ((self.backend, other.backend), (self.local, other.local)):
+            mine.objects = dict(theirs.objects)
+            mine.versions = theirs.versions
         self.scheduler.time = other.scheduler.time
         self.saved = {step: list(states) for step, states in other.saved.items()}
 
@@ -51,6 +64,18 @@ class World:
         _skip_idle_costs(store)
         self.stores.append(store)
         return store
+
+    def tiered_store(self, **options: Any) -> CheckpointStore:
+        """A store with :attr:`local` as its local tier (``local=`` names it; the store opens
+        it through the backend registry, which hands it this world's backend)."""
+        from ckptstore import wiring
+
+        def open_local(uri: str, storage_options: Any = None) -> Backend:
+            assert uri == self.local.uri, uri
+            return self.local
+
+        with mock.patch.object(wiring, "open_backend", open_local):
+            return self.store(local=self.local.uri, **options)
 
     def expect(self, step: int, state: Any) -> Any:
         """Record that some writer saves ``state`` as ``step``."""
@@ -80,12 +105,16 @@ def _skip_idle_costs(store: CheckpointStore) -> None:
 
             _ENVIRONMENT.append(current_environment(world_size=1))
         own["_environment"] = _ENVIRONMENT[0]
-    committer = own.get("_committer")
-    for helper in (committer, own.get("_catalog"), getattr(committer, "remover", None)):
-        if helper is not None and "sleep" in vars(helper):
-            vars(helper)["sleep"] = lambda seconds: None
-    if committer is not None:  # a tombstone's drop window on the logical clock (removal.py)
-        committer.remover.monotonic = committer.remover.clock
+    local = own.get("_local")  # a local tier's engines too (tiers.py)
+    for committer, catalog in (
+        (own.get("_committer"), own.get("_catalog")),
+        (getattr(local, "committer", None), getattr(local, "catalog", None)),
+    ):
+        for helper in (committer, catalog, getattr(committer, "remover", None)):
+            if helper is not None and "sleep" in vars(helper):
+                vars(helper)["sleep"] = lambda seconds: None
+        if committer is not None:  # a tombstone's drop window on the logical clock (removal.py)
+            committer.remover.monotonic = committer.remover.clock
 
 
 @dataclass(frozen=True)
@@ -346,3 +375,60 @@ def _coordinated_fenced(w: World) -> list[Actor]:
 )
 def _coordinated_discard(w: World) -> list[Actor]:
     return _coordinated(w, frozenset({1}))
+
+
+# -- a local tier in front of the store (tiers.py) ------------------------------------------------
+
+TIERED = {"persist_every": 2, "local_keep_last": 2}
+"""Every second local save is due for the durable tier; the local tier keeps 2 steps."""
+
+
+def _tiered_step_1(w: World) -> None:
+    """Setup: a job with a local tier saved step 1 and closed: step 1 in both tiers, the
+    lease released."""
+    with w.tiered_store(**TIERED) as job:
+        w.setup_save(job, 1, _state(1, 0))
+
+
+def _resuming(w: World, tag: int, **options: Any) -> Callable[[], object]:
+    """Open a tiered store, resume from its latest (which must load a state some writer
+    saved as that step), save the next step due for the durable tier, close."""
+
+    def job() -> object:
+        store = w.tiered_store(**TIERED, **options)
+
+        def resume_and_save() -> int:
+            loaded = store.load(with_info=True)
+            w.resumed.append(loaded.info)
+            step = loaded.info.step
+            if not any(same_state(loaded.state, s) for s in w.saved.get(step, ())):
+                raise AssertionError(f"resumed from step {step}: {loaded.state!r}, never saved")
+            following = step + 1
+            state = w.expect(following, _state(following, tag))
+            return store.save(following, state, persist=True).step
+
+        return _closing(store, resume_and_save)()
+
+    return job
+
+
+@_scenario(
+    "tiers",
+    "tiered writer saves 2, 3 (3 due, persisting), killed anywhere + next writer takes over, "
+    "resumes, saves, closes",
+    _tiered_step_1,
+    final=(closed_left_durable("next"),),
+)
+def _tiers(w: World) -> list[Actor]:
+    first = w.tiered_store(**TIERED)
+
+    def save_and_persist() -> object:
+        w.saver(first, 2, _state(2, 1))()  # local only: not due
+        w.saver(first, 3, _state(3, 1))()  # due: pinned, its copy queued
+        first.wait()  # the copy in flight; a kill anywhere, and the job never closes
+        return 3
+
+    return [
+        Actor("first", save_and_persist),
+        Actor("next", _resuming(w, 2, takeover=True), after=("first",)),
+    ]

@@ -160,7 +160,7 @@ class ScheduledBackend:
                 deadline.check(f"{self._uri}/{paths[0]}", doing=op)
             return apply()
 
-        return self.scheduler.call(op, paths, issued)
+        return self.scheduler.call(op, paths, issued, self._uri)
 
     def _get(self, path: str) -> Stored:
         found = self.objects.get(path)

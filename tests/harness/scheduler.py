@@ -11,6 +11,8 @@ same choices replay the same run. Why it is built this way:
   never has two threads in flight (their order would be the OS's), :func:`inline_thread_pools`
   makes ckptstore's thread pools run each task in the submitting thread during an exploration:
   one actor's parallel requests run in submission order and are not permuted among themselves.
+  A store's background thread (a local tier's copies) runs its tasks when the store waits for
+  them (:class:`DeferredExecutor`), in that store's actor.
 * A crash is a SIGKILL as storage sees it: the crashed actor's pending call raises
   :class:`Crashed` (a ``BaseException``, which ``except Exception`` does not swallow) without
   running, and so does every later call of that actor, so no cleanup code touches storage.
@@ -30,7 +32,7 @@ from concurrent.futures import Future
 from concurrent.futures import ThreadPoolExecutor as _Threads  # a name the patch leaves alone
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from ckptstore.backends.base import ObjectInfo
 from ckptstore.errors import CheckpointError
@@ -84,6 +86,9 @@ class Event:
     paths: tuple[str, ...]
     outcome: str
     effects: tuple[Effect, ...] = ()
+    backend: str = ""
+    """The URI of the backend called ("" for a start or an end): a world may hold two (a store
+    and its local tier), whose paths look alike."""
 
 
 @dataclass(frozen=True)
@@ -175,11 +180,18 @@ class Scheduler:
             self._running = False
             self.phase = "after"
 
-    def call(self, op: str, paths: tuple[str, ...], apply: Callable[[], tuple[T, Effects]]) -> T:
-        """Park the calling actor until it is chosen, then run ``apply`` atomically."""
+    def call(
+        self,
+        op: str,
+        paths: tuple[str, ...],
+        apply: Callable[[], tuple[T, Effects]],
+        backend: str = "",
+    ) -> T:
+        """Park the calling actor until it is chosen, then run ``apply`` atomically
+        (``backend``: the URI of the backend called, recorded in its event)."""
         with self._cv:
             if not self._running:
-                return self._execute(self.phase, op, paths, apply)
+                return self._execute(self.phase, op, paths, apply, backend)
             self.ensure_alive()
             actor = self._turn
             if actor is None:
@@ -188,9 +200,9 @@ class Scheduler:
             self._hand_over(actor)
             self._cv.wait_for(lambda: self._turn == actor or self.stopped)
             if actor in self._crashed and not self.stopped:
-                self._record(Event(len(self.events), actor, op, paths, "killed"))
+                self._record(Event(len(self.events), actor, op, paths, "killed", (), backend))
             self.ensure_alive()
-            return self._execute(actor, op, paths, apply)
+            return self._execute(actor, op, paths, apply, backend)
 
     def ensure_alive(self) -> None:
         """Raise Abandoned or Crashed if the actor holding the turn may not touch storage."""
@@ -228,14 +240,20 @@ class Scheduler:
         return name not in self._done
 
     def _execute(
-        self, actor: str, op: str, paths: tuple[str, ...], apply: Callable[[], tuple[T, Effects]]
+        self,
+        actor: str,
+        op: str,
+        paths: tuple[str, ...],
+        apply: Callable[[], tuple[T, Effects]],
+        backend: str = "",
     ) -> T:
         try:
             result, effects = apply()
         except Exception as e:
-            self._record(Event(len(self.events), actor, op, paths, type(e).__name__))
+            self._record(Event(len(self.events), actor, op, paths, type(e).__name__, (), backend))
             raise
-        self._record(Event(len(self.events), actor, op, paths, _summary(result), tuple(effects)))
+        done = Event(len(self.events), actor, op, paths, _summary(result), tuple(effects), backend)
+        self._record(done)
         return result
 
     def _record(self, event: Event, *, tick: bool = True) -> None:
@@ -323,9 +341,76 @@ class InlineExecutor(_Threads):
         return future
 
 
+class _DeferredFuture(Future[T]):
+    """A future whose task runs when someone waits for it (its pool's earlier tasks first)."""
+
+    def __init__(self, pool: DeferredExecutor, task: Callable[[], T]) -> None:
+        super().__init__()
+        self.pool, self.task = pool, task
+
+    def run(self) -> None:
+        try:
+            self.set_result(self.task())
+        except BaseException as e:
+            self.set_exception(e)
+
+    def result(self, timeout: float | None = None) -> T:
+        self.pool.run_until(self)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.pool.run_until(self)
+        return super().exception(timeout)
+
+
+class DeferredExecutor(_Threads):
+    """A one-thread pool whose thread is the waiter's: a task runs, in the thread that waits
+    for its future (``result``, ``exception``, ``shutdown(wait=True)``), after every task
+    submitted before it. For a store's background thread (a local tier's persister,
+    tiers.py), which the code submits to while holding a lock the task takes: run at
+    submission, as an InlineExecutor would, it would wait for itself. So a copy in the
+    background runs while its store waits for it (``wait()``, ``close()``), and belongs to
+    that store's actor; a store that never waits (killed) never runs it."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        """No thread (the pool's arguments are ignored)."""
+        self._queued: list[_DeferredFuture[Any]] = []
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        future = _DeferredFuture(self, lambda: fn(*args, **kwargs))
+        self._queued.append(future)
+        return future
+
+    def run_until(self, future: _DeferredFuture[Any]) -> None:
+        while future in self._queued:
+            self._queued.pop(0).run()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        queued, self._queued = self._queued, []
+        for future in queued:
+            if wait and not cancel_futures:
+                future.run()
+            else:
+                future.cancel()
+
+
+BACKGROUND_THREADS = frozenset({"ckpt-persist", "ckpt-share", "ckpt-peer"})
+"""The thread name prefixes of a store's background threads (a local tier's copies to the
+durable tier and to its peers), which the code submits to under a lock: DeferredExecutor."""
+
+
+def explorer_pool(*args: Any, **kwargs: Any) -> _Threads:
+    """What ``ThreadPoolExecutor(...)`` builds during an exploration: a DeferredExecutor for
+    a store's background thread (:data:`BACKGROUND_THREADS`), else an InlineExecutor."""
+    if kwargs.get("thread_name_prefix") in BACKGROUND_THREADS:
+        return DeferredExecutor()
+    return InlineExecutor()
+
+
 @contextmanager
 def inline_thread_pools() -> Iterator[None]:
-    """Make every imported ckptstore module's ``ThreadPoolExecutor`` an InlineExecutor."""
+    """Make every imported ckptstore module's ``ThreadPoolExecutor`` build InlineExecutors
+    (DeferredExecutors for a store's background threads: :func:`explorer_pool`)."""
     patched = [
         module
         for name, module in list(sys.modules.items())
@@ -333,7 +418,7 @@ def inline_thread_pools() -> Iterator[None]:
         and getattr(module, "ThreadPoolExecutor", None) is _Threads
     ]
     for module in patched:
-        vars(module)["ThreadPoolExecutor"] = InlineExecutor
+        vars(module)["ThreadPoolExecutor"] = explorer_pool
     try:
         yield
     finally:
