@@ -115,8 +115,8 @@ class CheckpointError(Exception):
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Rebuilt without calling __init__, so every subclass pickles whatever its constructor
-        # takes; the state holds uri/step/path and any subclass attribute (retryable, ...).
+        # Every error of the tree is made from its message alone (the rest are keywords with
+        # defaults); the state holds uri/step/path and any subclass attribute (retryable, ...).
         return (_rebuild, (type(self), self.args, self.__dict__.copy()))
 
 
@@ -124,7 +124,7 @@ def _rebuild(
     cls: type[CheckpointError], args: tuple[Any, ...], state: dict[str, Any]
 ) -> CheckpointError:
     """Unpickle an error: the class, its ``args`` (the message) and its attributes."""
-    error = cls.__new__(cls, *args)
+    error = cls(*args[:1])
     error.args = args
     error.__dict__.update(state)
     return error
