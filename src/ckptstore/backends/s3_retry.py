@@ -8,21 +8,9 @@ SlowDown`` for as long as the prefix stays hot, minutes where S3 repartitions; f
 run out in seconds, and the save fails though it had minutes left. So a request retries
 transient failures until ``retry_timeout`` seconds have passed, or, sooner, until the deadline
 in force (:mod:`ckptstore.deadline`) leaves no time for another attempt; ``max_attempts``, if
-set, bounds the count as well.
-
-Why not for an endpoint that never answered: a request that cannot even connect to an endpoint
-that has never answered this process is a configuration problem (a typo in ``endpoint_url``), so
-that one gives up after :data:`UNREACHED_ATTEMPTS`; and one that gets no answer at all from it
-(the connection not accepted in time, or accepted and no byte of an answer: a wrong port, a
-firewall, a server that hangs) gets ``first_byte_timeout`` seconds (default 15), its retries
-included, then :class:`~.s3_errors.NoAnswer` (a BackendError that is not retryable, naming the
-endpoint and the option). While the endpoint has not answered, each attempt runs on a daemon
-thread and is waited for no longer than that, whatever the socket timeouts (``stall_timeout``,
-60 s): a mute endpoint cannot hold a command for minutes, nor its exit for a socket timeout. Once
-the endpoint answered anything (any HTTP status: ``answered`` in :mod:`.s3_backoff`, marked as
-soon as an answer's headers arrive), the rules above apply: a server that answered before and
-stalls now is a brownout, retried for ``retry_timeout``. An attempt that moves bytes (a large
-upload's body) is not silent either, and is no longer held to ``first_byte_timeout``.
+set, bounds the count as well. A request that cannot even connect to an endpoint that has never
+answered this process is a configuration problem (a typo in ``endpoint_url``), so that one gives
+up after :data:`UNREACHED_ATTEMPTS`.
 
 Why one backoff per endpoint (and bucket), shared by every thread and backend of the process:
 SlowDown is about the rate the server sees, not one request's luck. If 64 threads each back off
@@ -56,7 +44,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import urllib3
 from botocore.exceptions import (
@@ -73,8 +61,7 @@ from botocore.exceptions import (
 )
 
 from ckptstore.backends.s3_backoff import Backoff
-from ckptstore.backends.s3_errors import NoAnswer, code_of, is_unsupported, status_of
-from ckptstore.backends.s3_options import DEFAULT_FIRST_BYTE_TIMEOUT
+from ckptstore.backends.s3_errors import code_of, is_unsupported, status_of
 from ckptstore.backends.s3_progress import Cancelled, Progress, Stalled, cause
 from ckptstore.deadline import Deadline, current_deadline
 
@@ -93,10 +80,7 @@ TRANSIENT_CODES = frozenset(
 checksum mismatch (BadDigest) is not: the probe sends a wrong CRC32C on purpose, and bytes that
 a part's own checksum refused are refused again."""
 UNREACHED_ATTEMPTS = 3
-"""Attempts for a request refused a connection by an endpoint that never answered."""
-FIRST_CONTACT_WAKE = 0.25
-"""Seconds between looks at an attempt on an endpoint that has not answered yet: whether it
-answered meanwhile, or moves bytes (then it is no longer held to ``first_byte_timeout``)."""
+"""Attempts for a request that cannot connect to an endpoint that never answered."""
 
 HELPERS = 64
 """Helper threads per backend for attempts run under a deadline (made as needed)."""
@@ -199,25 +183,14 @@ class Retrier:
         *,
         retry_timeout: float,
         max_attempts: int | None = None,
-        first_byte_timeout: float = DEFAULT_FIRST_BYTE_TIMEOUT,
-        connect_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backoff = backoff
         self.retry_timeout = retry_timeout
         self.max_attempts = max_attempts
-        self.first_byte_timeout = first_byte_timeout
-        """Seconds a request to an endpoint that never answered may go without an answer."""
-        self.connect_timeout = connect_timeout
-        """The client's connect timeout, if known: an attempt silent for longer got connected."""
         self._clock = clock
         self._helpers: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-
-    def heard(self, **_: Any) -> None:
-        """An answer's status line and headers arrived (a botocore ``before-parse`` handler,
-        which the backend registers on the client it owns): the endpoint answers."""
-        self.backoff.answered = True
 
     def close(self) -> None:
         with self._lock:
@@ -234,41 +207,28 @@ class Retrier:
         deadline = current_deadline()
         started = self._clock()
         failures = 0
-        failed: Exception | None = None  # the last attempt's error
         while True:
             self._pace(deadline, progress)
             round_ = self.backoff.round()
             try:
-                result = self._attempt(attempt, deadline, progress, (started, failed))
-            except NoAnswer:
-                raise
+                result = self._attempt(attempt, deadline, progress)
             except Exception as e:
                 kind = classify(e)
                 if kind is Kind.CANCELLED:
                     if deadline is not None and deadline.expired:
                         raise progress.deadline_error(deadline) from e
                     raise
-                if isinstance(e, ClientError):
-                    self.backoff.answered = True  # any HTTP status is an answer
                 if kind is Kind.FATAL:
                     if isinstance(e, ClientError):
                         self.backoff.succeeded()  # the server answered, and not throttling
                     raise
                 failures += 1
-                failed = e
                 progress.last_error = describe(e, op)
                 if kind is Kind.THROTTLED:
                     self.backoff.throttled(round_)
                 wait = self.backoff.alone(failures)
-                spent = self._clock() - started
-                if self._exhausted(e, kind, failures, spent + wait):
+                if self._exhausted(kind, failures, self._clock() - started + wait):
                     raise
-                if not self.backoff.answered and spent + wait >= self.first_byte_timeout:
-                    raise NoAnswer(
-                        seconds=self.first_byte_timeout,
-                        accepted=_accepted(e),
-                        last_error=progress.last_error,
-                    ) from e
                 logger.debug(
                     "%s %s failed (%s); retrying in %.2f s",
                     op,
@@ -294,11 +254,10 @@ class Retrier:
             raise progress.deadline_error(deadline)
         progress.token.sleep(0)  # raises if cancelled
 
-    def _exhausted(self, e: Exception, kind: Kind, failures: int, spent: float) -> bool:
+    def _exhausted(self, kind: Kind, failures: int, spent: float) -> bool:
         if self.max_attempts is not None and failures >= self.max_attempts:
             return True
-        refused = kind is Kind.UNREACHABLE and not isinstance(e, ConnectTimeoutError)
-        if refused and not self.backoff.answered:
+        if kind is Kind.UNREACHABLE and not self.backoff.answered:
             return failures >= UNREACHED_ATTEMPTS
         return spent > self.retry_timeout
 
@@ -310,15 +269,8 @@ class Retrier:
         progress.token.sleep(seconds)
 
     def _attempt(
-        self,
-        attempt: Callable[[], T],
-        deadline: Deadline | None,
-        progress: Progress,
-        request: tuple[float, Exception | None],
+        self, attempt: Callable[[], T], deadline: Deadline | None, progress: Progress
     ) -> T:
-        """One attempt; ``request``: when the request began, and its last attempt's error."""
-        if not self.backoff.answered:
-            return self._first_contact(attempt, deadline, progress, *request)
         if deadline is None or on_worker():
             return attempt()
         future = self._helper_pool().submit(contextvars.copy_context().run, attempt)
@@ -330,59 +282,6 @@ class Retrier:
             progress.token.cancel("the deadline passed")
             raise progress.deadline_error(deadline) from None
 
-    def _first_contact(
-        self,
-        attempt: Callable[[], T],
-        deadline: Deadline | None,
-        progress: Progress,
-        started: float,
-        failed: Exception | None,
-    ) -> T:
-        """An attempt on an endpoint that has not answered this process: on a daemon thread,
-        waited for until the request (which began at ``started``; its last attempt failed
-        with ``failed``) has gone ``first_byte_timeout`` seconds without an answer, then
-        given up (:class:`NoAnswer`);
-        no longer than the deadline either. A daemon thread, so that an attempt blocked in a
-        socket call keeps neither the caller nor the interpreter's exit waiting for it."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        run = contextvars.copy_context().run
-
-        def work() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(run(attempt))
-            except BaseException as e:  # the caller raises it, or nobody waits any more
-                future.set_exception(e)
-
-        begun, moved, held = self._clock(), progress.bytes_done, True
-        threading.Thread(target=work, name="ckptstore-s3-first-contact", daemon=True).start()
-        while True:
-            waits = [FIRST_CONTACT_WAKE]
-            if held:
-                waits.append(started + self.first_byte_timeout - self._clock())
-            if deadline is not None:
-                waits.append(deadline.remaining())
-            try:
-                return future.result(timeout=max(0.0, min(waits)))
-            except concurrent.futures.TimeoutError:
-                if future.done():
-                    raise  # the attempt's own TimeoutError
-            if deadline is not None and deadline.expired:
-                progress.token.cancel("the deadline passed")
-                raise progress.deadline_error(deadline) from None
-            if self.backoff.answered or progress.bytes_done != moved:
-                held = False  # it answers, or takes our bytes: no longer a silent endpoint
-            elif held and self._clock() - started >= self.first_byte_timeout:
-                progress.token.cancel("no answer within first_byte_timeout")
-                silent = self._clock() - begun
-                connected = self.connect_timeout is not None and silent > self.connect_timeout
-                raise NoAnswer(  # not known to be connected: as the attempt before it, if any
-                    seconds=self.first_byte_timeout,
-                    accepted=True if connected else _accepted(failed),
-                    last_error=progress.last_error,
-                )
-
     def _helper_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._helpers is None:
@@ -390,15 +289,3 @@ class Retrier:
                     HELPERS, thread_name_prefix="ckptstore-s3-attempt", initializer=mark_worker
                 )
             return self._helpers
-
-
-def _accepted(e: BaseException | None) -> bool | None:
-    """Whether a silent attempt's connection was accepted: not on a connect timeout, yes on
-    a read timeout or a connection the server closed; None when the error does not tell."""
-    if e is None:
-        return None
-    if isinstance(e, ConnectTimeoutError):
-        return False
-    if isinstance(e, (ReadTimeoutError, ConnectionClosedError)):
-        return True
-    return None
