@@ -25,10 +25,12 @@ for ``stall_timeout`` seconds, or trickles, is given up and retried (:mod:`.s3_p
 broken or stalled GET resumes from its last byte (:mod:`.s3_download`). No request, retry or
 wait outlives the deadline in force (:mod:`ckptstore.deadline`): then a multipart upload is
 aborted and SaveTimeoutError (or LoadTimeoutError) names the file, the upload, the bytes done
-and the last error. Errors are translated once, at this boundary (:mod:`.s3_errors`), by error
-code and HTTP status, never by message text. Options and URIs are validated in
-:mod:`.s3_options`. The requests about many keys at once (listings, batched deletes, the remains
-of unfinished writes) are in :mod:`.s3_namespace`.
+and the last error. An endpoint that never answered this process gets ``first_byte_timeout``
+seconds to answer a request, its retries included (a mute endpoint fails in seconds). Errors are
+translated once, at this boundary (:mod:`.s3_errors`), by error code and HTTP status, never by
+message text. Options and URIs are validated in :mod:`.s3_options`. The requests about many keys
+at once (listings, batched deletes, the remains of unfinished writes) are in
+:mod:`.s3_namespace`.
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ class S3Backend(BaseBackend):
         self._namespace = Namespace(
             self._uri, self._base, self._transfers, self._errors, self._warn_once
         )
+        retrier = self._transfers.retrier  # a mute endpoint fails in first_byte_timeout
+        retrier.first_byte_timeout = self._opts.first_byte_timeout
+        if self._owns_client:  # an answer counts from its headers; injected clients: from its end
+            retrier.connect_timeout = self._client.meta.config.connect_timeout
+            self._client.meta.events.register("before-parse.s3", retrier.heard)
 
     def __repr__(self) -> str:
         return f"S3Backend({self._uri!r}, endpoint={self._endpoint!r}, options={self._opts!r})"

@@ -6,7 +6,9 @@ word their messages differently, but agree on codes and statuses. The retry loop
 whether trying again later (a new save, a resume) may help. A deadline that passed is our error
 already (SaveTimeoutError, LoadTimeoutError); it only gains the store-relative ``path`` here.
 A 403 is always AccessDeniedError, never "missing": an expired token must not read as "no
-checkpoint here, start from step 0".
+checkpoint here, start from step 0". An endpoint that never answered this process and stays
+silent past ``first_byte_timeout`` (:class:`NoAnswer`, raised by the retry loop) is a
+BackendError that is not retryable: a wrong ``endpoint_url`` does not heal by trying again.
 """
 
 from __future__ import annotations
@@ -68,6 +70,18 @@ RETRYABLE = frozenset(
 )
 UNSUPPORTED = frozenset({"NotImplemented", "MethodNotAllowed"})
 _NO_CREDENTIALS = (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)
+
+
+class NoAnswer(BotoCoreError):  # type: ignore[misc]  # botocore has no types
+    """An endpoint that has not answered this process stayed silent for ``first_byte_timeout``
+    seconds, retries included: it accepted no connection (``accepted`` False), or accepted one
+    and sent no byte of an answer (True), or the attempt was given up in between (None)."""
+
+    fmt = "no answer within {seconds:g} s (first_byte_timeout); last error: {last_error}"
+
+    def __init__(self, *, seconds: float, accepted: bool | None, last_error: str | None) -> None:
+        super().__init__(seconds=seconds, accepted=accepted, last_error=last_error)
+        self.seconds, self.accepted, self.last_error = seconds, accepted, last_error
 
 
 def code_of(e: ClientError) -> str:
@@ -138,6 +152,8 @@ def translate(
             "AWS_PROFILE and ~/.aws/credentials, SSO, then the instance or container role",
             **where,
         )
+    if isinstance(e, NoAnswer):
+        return BackendError(no_answer_message(e, endpoint, target, action), **where)
     inner = cause(e)
     if isinstance(inner, Stalled):
         return BackendError(
@@ -159,6 +175,23 @@ def translate(
         )
     kind = "BotoCoreError" if isinstance(e, BotoCoreError) else type(e).__name__
     return BackendError(f"cannot {action} {target}: {kind}: {e}", **where)
+
+
+def no_answer_message(e: NoAnswer, endpoint: str, target: str, action: str) -> str:
+    """What a mute endpoint's NoAnswer says: the endpoint, what it did not do, the option."""
+    within = f"within {e.seconds:g} s (first_byte_timeout)"
+    if e.accepted is False:
+        what = f"{endpoint} accepted no connection {within}"
+    elif e.accepted:
+        what = f"{endpoint} accepted the connection but sent no answer {within}"
+    else:
+        what = f"{endpoint} sent no answer {within}"
+    last = f" (last error: {e.last_error})" if e.last_error else ""
+    return (
+        f"{what}, to {action} {target}{last}; check endpoint_url / AWS_ENDPOINT_URL and the "
+        "server, or raise storage_options first_byte_timeout (-o first_byte_timeout=SECONDS) "
+        "if it is this slow to answer"
+    )
 
 
 def error_for(

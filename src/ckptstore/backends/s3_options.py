@@ -41,6 +41,11 @@ DEFAULT_RETRY_TIMEOUT = 300.0
 no deadline is in force; a deadline cuts it shorter."""
 CONNECT_TIMEOUT = 10.0
 """botocore's connect timeout, lowered to ``stall_timeout`` when that is shorter."""
+DEFAULT_FIRST_BYTE_TIMEOUT = 15.0
+"""Seconds an endpoint that has not answered this process yet gets to answer a request (to
+accept its connection and send the first byte of an answer), its retries included: a wrong
+``endpoint_url`` that accepts connections and never answers fails in seconds, not after
+``retry_timeout`` (:mod:`.s3_retry`). Long enough for a loaded server's first answer."""
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 ALIASES = {
@@ -66,6 +71,7 @@ OPTIONS = frozenset(
         "max_attempts",
         "retry_timeout",
         "stall_timeout",
+        "first_byte_timeout",
         "checksums",
     ]
 ) | frozenset(ALIASES)
@@ -123,6 +129,9 @@ class S3Options:
     """Attempts per request at most (``None``: bounded by time only, ``retry_timeout``)."""
     retry_timeout: float = DEFAULT_RETRY_TIMEOUT
     stall_timeout: float = DEFAULT_STALL_TIMEOUT
+    first_byte_timeout: float = DEFAULT_FIRST_BYTE_TIMEOUT
+    """Seconds an endpoint that never answered this process gets to answer (connection and
+    first byte, retries included) before a request to it fails for good."""
     checksums: bool = True
     session_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
     client_kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -152,6 +161,9 @@ class S3Options:
             attempts = _int(uri, opts, "max_attempts", 1, 1, 1000)
         stall = _seconds(uri, opts, "stall_timeout", DEFAULT_STALL_TIMEOUT, 0.05, 3600.0)
         budget = _seconds(uri, opts, "retry_timeout", DEFAULT_RETRY_TIMEOUT, 0.0, 86400.0)
+        first_byte = _seconds(
+            uri, opts, "first_byte_timeout", DEFAULT_FIRST_BYTE_TIMEOUT, 0.05, 3600.0
+        )
         checksums = opts.get("checksums", True)
         if not isinstance(checksums, bool):
             raise ConfigError(f"{uri}: storage option 'checksums' must be True or False", uri=uri)
@@ -180,6 +192,7 @@ class S3Options:
             max_attempts=attempts,
             retry_timeout=budget,
             stall_timeout=stall,
+            first_byte_timeout=first_byte,
             checksums=checksums,
             session_kwargs=session,
             client_kwargs=client,

@@ -8,9 +8,21 @@ SlowDown`` for as long as the prefix stays hot, minutes where S3 repartitions; f
 run out in seconds, and the save fails though it had minutes left. So a request retries
 transient failures until ``retry_timeout`` seconds have passed, or, sooner, until the deadline
 in force (:mod:`ckptstore.deadline`) leaves no time for another attempt; ``max_attempts``, if
-set, bounds the count as well. A request that cannot even connect to an endpoint that has never
-answered this process is a configuration problem (a typo in ``endpoint_url``), so that one gives
-up after :data:`UNREACHED_ATTEMPTS`.
+set, bounds the count as well.
+
+Why not for an endpoint that never answered: a request that cannot even connect to an endpoint
+that has never answered this process is a configuration problem (a typo in ``endpoint_url``), so
+that one gives up after :data:`UNREACHED_ATTEMPTS`; and one that gets no answer at all from it
+(the connection not accepted in time, or accepted and no byte of an answer: a wrong port, a
+firewall, a server that hangs) gets ``first_byte_timeout`` seconds (default 15), its retries
+included, then :class:`~.s3_errors.NoAnswer` (a BackendError that is not retryable, naming the
+endpoint and the option). While the endpoint has not answered, each attempt runs on a daemon
+thread and is waited for no longer than that, whatever the socket timeouts (``stall_timeout``,
+60 s): a mute endpoint cannot hold a command for minutes, nor its exit for a socket timeout. Once
+the endpoint answered anything (any HTTP status: ``answered`` in :mod:`.s3_backoff`, marked as
+soon as an answer's headers arrive), the rules above apply: a server that answered before and
+stalls now is a brownout, retried for ``retry_timeout``. An attempt that moves bytes (a large
+upload's body) is not silent either, and is no longer held to ``first_byte_timeout``.
 
 Why one backoff per endpoint (and bucket), shared by every thread and backend of the process:
 SlowDown is about the rate the server sees, not one request's luck. If 64 threads each back off
@@ -41,10 +53,11 @@ import concurrent.futures
 import contextvars
 import enum
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import urllib3
 from botocore.exceptions import (
@@ -61,7 +74,8 @@ from botocore.exceptions import (
 )
 
 from ckptstore.backends.s3_backoff import Backoff
-from ckptstore.backends.s3_errors import code_of, is_unsupported, status_of
+from ckptstore.backends.s3_errors import NoAnswer, code_of, is_unsupported, status_of
+from ckptstore.backends.s3_options import DEFAULT_FIRST_BYTE_TIMEOUT
 from ckptstore.backends.s3_progress import Cancelled, Progress, Stalled, cause
 from ckptstore.deadline import Deadline, current_deadline
 
@@ -80,10 +94,13 @@ TRANSIENT_CODES = frozenset(
 checksum mismatch (BadDigest) is not: the probe sends a wrong CRC32C on purpose, and bytes that
 a part's own checksum refused are refused again."""
 UNREACHED_ATTEMPTS = 3
-"""Attempts for a request that cannot connect to an endpoint that never answered."""
+"""Attempts for a request refused a connection by an endpoint that never answered."""
+FIRST_CONTACT_WAKE = 0.25
+"""Seconds between looks at an attempt on an endpoint that has not answered yet: whether it
+answered meanwhile, or moves bytes (then it is no longer held to ``first_byte_timeout``)."""
 
 HELPERS = 64
-"""Helper threads per backend for attempts run under a deadline (made as needed)."""
+"""Helper threads per backend for attempts waited for with a timeout (made as needed)."""
 
 
 class Kind(enum.Enum):
@@ -183,19 +200,30 @@ class Retrier:
         *,
         retry_timeout: float,
         max_attempts: int | None = None,
+        first_byte_timeout: float = DEFAULT_FIRST_BYTE_TIMEOUT,
+        connect_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backoff = backoff
         self.retry_timeout = retry_timeout
         self.max_attempts = max_attempts
+        self.first_byte_timeout = first_byte_timeout
+        """Seconds a request to an endpoint that never answered may go without an answer."""
+        self.connect_timeout = connect_timeout
+        """The client's connect timeout, if known: an attempt silent for longer got connected."""
         self._clock = clock
-        self._helpers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._helpers: Helpers | None = None
         self._lock = threading.Lock()
+
+    def heard(self, **_: Any) -> None:
+        """An answer's status line and headers arrived (a botocore ``before-parse`` handler,
+        which the backend registers on the client it owns): the endpoint answers."""
+        self.backoff.answered = True
 
     def close(self) -> None:
         with self._lock:
             if self._helpers is not None:
-                self._helpers.shutdown(wait=False, cancel_futures=True)
+                self._helpers.close()
                 self._helpers = None
 
     def call(self, op: str, attempt: Callable[[], T], progress: Progress) -> T:
@@ -207,28 +235,41 @@ class Retrier:
         deadline = current_deadline()
         started = self._clock()
         failures = 0
+        failed: Exception | None = None  # the last attempt's error
         while True:
             self._pace(deadline, progress)
             round_ = self.backoff.round()
             try:
-                result = self._attempt(attempt, deadline, progress)
+                result = self._attempt(attempt, deadline, progress, (started, failed))
+            except NoAnswer:
+                raise
             except Exception as e:
                 kind = classify(e)
                 if kind is Kind.CANCELLED:
                     if deadline is not None and deadline.expired:
                         raise progress.deadline_error(deadline) from e
                     raise
+                if isinstance(e, ClientError):
+                    self.backoff.answered = True  # any HTTP status is an answer
                 if kind is Kind.FATAL:
                     if isinstance(e, ClientError):
                         self.backoff.succeeded()  # the server answered, and not throttling
                     raise
                 failures += 1
+                failed = e
                 progress.last_error = describe(e, op)
                 if kind is Kind.THROTTLED:
                     self.backoff.throttled(round_)
                 wait = self.backoff.alone(failures)
-                if self._exhausted(kind, failures, self._clock() - started + wait):
+                spent = self._clock() - started
+                if self._exhausted(e, kind, failures, spent + wait):
                     raise
+                if not self.backoff.answered and spent + wait >= self.first_byte_timeout:
+                    raise NoAnswer(
+                        seconds=self.first_byte_timeout,
+                        accepted=_accepted(e),
+                        last_error=progress.last_error,
+                    ) from e
                 logger.debug(
                     "%s %s failed (%s); retrying in %.2f s",
                     op,
@@ -254,10 +295,11 @@ class Retrier:
             raise progress.deadline_error(deadline)
         progress.token.sleep(0)  # raises if cancelled
 
-    def _exhausted(self, kind: Kind, failures: int, spent: float) -> bool:
+    def _exhausted(self, e: Exception, kind: Kind, failures: int, spent: float) -> bool:
         if self.max_attempts is not None and failures >= self.max_attempts:
             return True
-        if kind is Kind.UNREACHABLE and not self.backoff.answered:
+        refused = kind is Kind.UNREACHABLE and not isinstance(e, ConnectTimeoutError)
+        if refused and not self.backoff.answered:
             return failures >= UNREACHED_ATTEMPTS
         return spent > self.retry_timeout
 
@@ -269,23 +311,151 @@ class Retrier:
         progress.token.sleep(seconds)
 
     def _attempt(
-        self, attempt: Callable[[], T], deadline: Deadline | None, progress: Progress
+        self,
+        attempt: Callable[[], T],
+        deadline: Deadline | None,
+        progress: Progress,
+        request: tuple[float, Exception | None],
     ) -> T:
-        if deadline is None or on_worker():
+        """One attempt; ``request``: when the request began, and its last attempt's error."""
+        first = not self.backoff.answered
+        if not first and (deadline is None or on_worker()):
             return attempt()
-        future = self._helper_pool().submit(contextvars.copy_context().run, attempt)
         try:
-            return future.result(timeout=deadline.remaining())
-        except concurrent.futures.TimeoutError:
-            if future.done():
-                raise  # the attempt's own TimeoutError
-            progress.token.cancel("the deadline passed")
-            raise progress.deadline_error(deadline) from None
+            future = self._helper_pool().submit(_in_context(attempt))
+        except RuntimeError:  # no thread starts at interpreter shutdown: in place, then
+            return attempt()
+        return self._wait(future, deadline, progress, request if first else None)
 
-    def _helper_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _wait(
+        self,
+        future: concurrent.futures.Future[T],
+        deadline: Deadline | None,
+        progress: Progress,
+        first: tuple[float, Exception | None] | None,
+    ) -> T:
+        """The result of an attempt running on a helper, waited for no longer than the
+        deadline. ``first``, for an endpoint that has not answered this process: when the
+        request began and its last attempt's error; then the wait ends, with
+        :class:`NoAnswer`, once the request has gone ``first_byte_timeout`` seconds without an
+        answer, unless the endpoint answers meanwhile or the attempt moves bytes (a large
+        upload's body). An attempt given up is cancelled (it stops at its next block)."""
+        begun, moved = self._clock(), progress.bytes_done
+        while True:
+            waits = [] if deadline is None else [deadline.remaining()]
+            if first is not None:
+                waits += [FIRST_CONTACT_WAKE, first[0] + self.first_byte_timeout - self._clock()]
+            try:
+                return future.result(timeout=max(0.0, min(waits)) if waits else None)
+            except concurrent.futures.TimeoutError:
+                if future.done():
+                    raise  # the attempt's own TimeoutError
+            if deadline is not None and deadline.expired:
+                progress.token.cancel("the deadline passed")
+                raise progress.deadline_error(deadline) from None
+            if first is None:
+                continue
+            if self.backoff.answered or progress.bytes_done != moved:
+                first = None  # it answers, or takes our bytes: not a silent endpoint
+            elif self._clock() - first[0] >= self.first_byte_timeout:
+                progress.token.cancel("no answer within first_byte_timeout")
+                silent = self._clock() - begun
+                connected = self.connect_timeout is not None and silent > self.connect_timeout
+                raise NoAnswer(  # not known to be connected: as the attempt before it, if any
+                    seconds=self.first_byte_timeout,
+                    accepted=True if connected else _accepted(first[1]),
+                    last_error=progress.last_error,
+                )
+
+    def _helper_pool(self) -> Helpers:
         with self._lock:
             if self._helpers is None:
-                self._helpers = concurrent.futures.ThreadPoolExecutor(
-                    HELPERS, thread_name_prefix="ckptstore-s3-attempt", initializer=mark_worker
-                )
+                self._helpers = Helpers(HELPERS, "ckptstore-s3-attempt")
             return self._helpers
+
+
+class Helpers:
+    """At most ``limit`` daemon threads that run attempts somebody waits for with a timeout
+    (a deadline, ``first_byte_timeout``); attempts beyond that wait their turn. Daemon threads,
+    unlike a ThreadPoolExecutor's (which the interpreter joins at exit): an attempt given up
+    while blocked in a socket call, until its socket timeout, keeps neither its caller nor the
+    process's exit (a Ctrl-C, a failed command) waiting."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self.limit, self.name = limit, name
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0  # threads waiting for a job that no submit counted on yet
+        self._closed = False
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on a helper; RuntimeError once closed, or where no thread can start (at
+        interpreter shutdown)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the helpers are closed")
+            if self._idle:
+                self._idle -= 1
+            elif self._threads < self.limit:
+                thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                thread.start()  # RuntimeError at interpreter shutdown: nothing queued yet
+                self._threads += 1
+            self._queue.put(_Job(future, fn))
+        return future
+
+    def close(self) -> None:
+        """Stop the threads once their attempt ends; attempts not started are cancelled."""
+        with self._lock:
+            self._closed = True
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.future.cancel()
+            for _ in range(self._threads):
+                self._queue.put(None)
+
+    def _work(self) -> None:
+        mark_worker()
+        while (job := self._queue.get()) is not None:
+            job.run()
+            del job
+            with self._lock:
+                self._idle += 1
+
+
+def _in_context(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` to run in a copy of this context (its deadline) on another thread."""
+    context = contextvars.copy_context()
+    return lambda: context.run(fn)
+
+
+class _Job:
+    def __init__(self, future: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:
+        self.future, self.fn = future, fn
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.fn()
+        except BaseException as e:  # the caller raises it, or nobody waits for it any more
+            self.future.set_exception(e)
+        else:
+            self.future.set_result(result)
+
+
+def _accepted(e: BaseException | None) -> bool | None:
+    """Whether a silent attempt's connection was accepted: not on a connect timeout, yes on
+    a read timeout or a connection the server closed; None when the error does not tell."""
+    if e is None:
+        return None
+    if isinstance(e, ConnectTimeoutError):
+        return False
+    if isinstance(e, (ReadTimeoutError, ConnectionClosedError)):
+        return True
+    return None
