@@ -9,6 +9,7 @@ at that moment and left whatever it had written). Reads pass through untouched
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 
 from ckptstore.backends.base import Backend, Chunk, ObjectAddress, PartialWrite
@@ -67,3 +68,16 @@ class FaultyBackend(BackendProxy):
     def abort(self, partial: PartialWrite) -> None:
         self._tick("abort", partial.path)
         super().abort(partial)
+
+
+class Gate(BackendProxy):
+    """Holds every write until opened: copies to a tier behind it lag behind the saves, as
+    they do when the bucket is slower than the local disk."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.open = threading.Event()
+
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        assert self.open.wait(30), "the gate was never opened"
+        return super().write(path, chunks)

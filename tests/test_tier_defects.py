@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import re
-import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from ckptstore.backends.base import Backend, Chunk
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.cli.main import run as cli_run
 from ckptstore.errors import BackendError, CheckpointError, StepBehindLatestError
-from faults import FaultyBackend, InjectedFault
+from faults import FaultyBackend, Gate, InjectedFault
 
 
 def state(n: int) -> dict[str, torch.Tensor]:
@@ -91,19 +90,6 @@ class DiesInStep(FaultyBackend):
         nothing of it is left for this process's exit to release through a dead backend."""
         self.fired = False
         self.folder = "\0"
-
-
-class Gate(BackendProxy):
-    """Holds every write to the bucket until opened: copies lag behind the saves, as they
-    do when the bucket is slower than the local disk."""
-
-    def __init__(self, inner: Backend) -> None:
-        super().__init__(inner)
-        self.open = threading.Event()
-
-    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
-        assert self.open.wait(30), "the gate was never opened"
-        return super().write(path, chunks)
 
 
 class FailsStep(BackendProxy):

@@ -6,8 +6,6 @@ never drops a step before it is durable (invariant 17)."""
 from __future__ import annotations
 
 import shutil
-import threading
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +13,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, ConfigError
-from ckptstore.backends.base import Backend, Chunk
-from ckptstore.backends.proxy import BackendProxy
 from ckptstore.cli.main import run as cli_run
-from faults import FaultyBackend, InjectedFault
+from faults import FaultyBackend, Gate, InjectedFault
 from keys import file_key
 
 
@@ -76,18 +72,6 @@ def test_persist_true_forces_a_copy_and_save_async_goes_through_the_local_tier(
         store.wait()
         assert durable_steps(uri, {}) == [2]
         assert store.latest().step == 2  # type: ignore[union-attr]
-
-
-class Gate(BackendProxy):
-    """Holds every write to the durable tier until opened: copies stay in flight."""
-
-    def __init__(self, inner: Backend) -> None:
-        super().__init__(inner)
-        self.open = threading.Event()
-
-    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
-        assert self.open.wait(30), "the gate was never opened"
-        return super().write(path, chunks)
 
 
 def test_local_retention_never_drops_a_step_before_it_is_durable(tmp_path: Path) -> None:
