@@ -117,13 +117,19 @@ def test_replicate_follow_goes_on_until_ctrl_c(src: str, tmp_path: Path) -> None
     dst = str(tmp_path / "dst")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     command = [sys.executable, "-m", "ckptstore.cli", "replicate", src, dst, "--follow"]
-    follower = subprocess.Popen(
-        [*command, "--interval", "0.05", "--max-interval", "0.2", "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    # A SIGINT ignored here (a suite started in the background of a non-interactive shell) is
+    # inherited by the child, which then never sees the Ctrl-C below; a handled one is not.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        follower = subprocess.Popen(
+            [*command, "--interval", "0.05", "--max-interval", "0.2", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         assert follower.stdout is not None
         first = json.loads(follower.stdout.readline())
