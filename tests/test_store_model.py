@@ -401,16 +401,21 @@ class StoreModel(RuleBasedStateMachine):
                 assert sizes.get(key) == entry.size, f"step {info.step}: {key} is gone or cut"
 
 
+def model_settings(examples: int, steps: int) -> settings:
+    """Deterministic runs (no database, derandomized), unshrunk unless CKPTSTORE_MODEL_SHRINK."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        phases=tuple(Phase) if SHRINK else (Phase.explicit, Phase.reuse, Phase.generate),
+    )
+
+
 TestStoreModel = StoreModel.TestCase
-TestStoreModel.settings = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=STEPS_PER_EXAMPLE,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    phases=tuple(Phase) if SHRINK else (Phase.explicit, Phase.reuse, Phase.generate),
-)
+TestStoreModel.settings = model_settings(EXAMPLES, STEPS_PER_EXAMPLE)
 
 
 # -- the same store with a local tier in front of it (tiers.py) ----------------------------------
@@ -697,12 +702,4 @@ class TieredStoreModel(RuleBasedStateMachine):
 
 
 TestTieredStoreModel = TieredStoreModel.TestCase
-TestTieredStoreModel.settings = settings(
-    max_examples=TIERED_EXAMPLES,
-    stateful_step_count=TIERED_STEPS,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    phases=tuple(Phase) if SHRINK else (Phase.explicit, Phase.reuse, Phase.generate),
-)
+TestTieredStoreModel.settings = model_settings(TIERED_EXAMPLES, TIERED_STEPS)
