@@ -12,7 +12,10 @@ changed by compare-and-swap on the object's version:
   it saves: an RL job that saves every half hour keeps it, and its record changes for anyone
   watching. Before each commit it renews once more, synchronously; that swap is the fence check.
   It gives the lease up on ``close()``, at interpreter exit and when the store is collected, so
-  a script run twice just works. A SIGKILL leaves the record to expire after one TTL.
+  a script run twice just works. A SIGKILL leaves the record to expire after one TTL. While a
+  Ctrl-C unwinds, and at interpreter exit, giving it up waits :data:`HURRIED_RELEASE` seconds
+  at most (a storage that does not answer must not keep a Ctrl-C from ending the process): the
+  record then expires after one TTL, as after a kill.
 * A contender never compares its clock with the holder's: clocks of two hosts may be minutes
   apart. If the holder ran on this machine and its process is gone, the contender takes over at
   once. Otherwise it asks the storage for its own "now" (it writes a probe object and compares
@@ -33,10 +36,13 @@ training job.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import logging
 import math
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -45,6 +51,7 @@ from dataclasses import replace
 
 from ckptstore import layout
 from ckptstore.backends.base import Backend, join
+from ckptstore.deadline import Deadline, bounded
 from ckptstore.errors import (
     BackendError,
     CheckpointError,
@@ -63,6 +70,9 @@ DEFAULT_TTL = 60.0
 """Seconds without a renewal after which the lease is gone (the heartbeat renews every 1/4)."""
 _ATTEMPTS = 10
 _STOP_WAIT = 10.0
+HURRIED_RELEASE = 5.0
+"""Seconds giving the lease up may take while a Ctrl-C unwinds or the interpreter exits: the
+write runs on a daemon thread under a deadline of its own, and is left behind after that."""
 _HOLDERS: weakref.WeakValueDictionary[tuple[str, str], WriterLease] = weakref.WeakValueDictionary()
 """The leases this process holds, by store URI and writer id (a tiered store's two tiers share
 one writer id): for a contender in this process, which need not guess, and for the release at
@@ -320,16 +330,23 @@ class WriterLease:
         while not stop.wait(self.ttl / 4) and self.heartbeat():
             pass
 
-    def release(self) -> None:
+    def release(self, *, hurry: bool | None = None) -> None:
         """Give the lease up, so the next writer needs no ``takeover``. Idempotent; runs at
         ``close()``, at interpreter exit and when the store is collected, so it never raises.
+        ``hurry`` (default: while a Ctrl-C unwinds) waits for the storage
+        :data:`HURRIED_RELEASE` seconds at most.
 
         The record stays, marked released, so the epoch keeps counting up.
         """
+        if hurry is None:
+            hurry = isinstance(sys.exc_info()[1], KeyboardInterrupt)
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(_STOP_WAIT)
+            # A Ctrl-C that landed in the heartbeat's start() may have left a thread that never
+            # started (join raises), or one that did: it sees the stop at its first wait.
+            with contextlib.suppress(RuntimeError):
+                thread.join(_STOP_WAIT)
         if os.getpid() != self._owner_pid:
             return  # a forked child: the lease is its parent's
         if not self._lock.acquire(timeout=_STOP_WAIT):
@@ -337,7 +354,10 @@ class WriterLease:
             return
         try:
             if self.epoch is not None and self._record is not None:
-                self._write_released(self._record)
+                if hurry:
+                    self._write_released_soon(self._record)
+                else:
+                    self._write_released(self._record)
         except Exception as e:  # at exit or in a finalizer nobody could catch it
             log.warning(
                 "%s: could not release the writer lease (the next writer waits up to %g s, or "
@@ -363,6 +383,38 @@ class WriterLease:
     def _abandon(self) -> None:
         self.abandoned = True
         _ABANDONED.put(self)
+
+    def _write_released_soon(self, record: LeaseRecord) -> None:
+        """:meth:`_write_released`, waited for :data:`HURRIED_RELEASE` seconds at most: on a
+        daemon thread (a request blocked in a socket, or on a lock, must not hold the process
+        at exit), under a deadline of its own (retries stop by then). Raises what it raised."""
+        done = threading.Event()
+        failed: list[Exception] = []
+
+        def run() -> None:
+            try:
+                with bounded(Deadline.after(HURRIED_RELEASE)):
+                    self._write_released(record)
+            except Exception as e:
+                failed.append(e)
+            finally:
+                done.set()
+
+        context = contextvars.copy_context()
+        try:
+            threading.Thread(
+                target=context.run, args=(run,), name="ckpt-lease-release", daemon=True
+            ).start()
+        except RuntimeError:  # no thread starts at interpreter shutdown (3.12+): here, then
+            run()
+        if not done.wait(HURRIED_RELEASE + 1.0):
+            raise BackendError(
+                f"{self._uri}: the storage did not answer within {HURRIED_RELEASE:g} s",
+                retryable=True,
+                **self._context,
+            )
+        if failed:
+            raise failed[0]
 
     def _write_released(self, record: LeaseRecord) -> None:
         """Mark our record released, by compare-and-swap against our own record's version:
@@ -396,6 +448,7 @@ def _release_abandoned() -> None:
 
 @atexit.register
 def _release_all() -> None:
-    """At interpreter exit, after threading's exit hooks (a pending async save commits first)."""
+    """At interpreter exit, after threading's exit hooks (a pending async save commits first);
+    each release waits :data:`HURRIED_RELEASE` seconds at most."""
     for lease in list(_HOLDERS.values()):
-        lease.release()
+        lease.release(hurry=True)
