@@ -16,7 +16,7 @@ Each row runs in a fresh process (the S3 servers' memory is not counted): client
 the stores listed before the measurement; the row's wall time, and its extra peak RSS
 (``VmHWM`` after a reset, minus ``VmRSS`` just before). The bound is the issue's: what a streamed
 copy holds by design, the read-ahead chunks plus the destination's parts in flight and the one
-being cut (``ckptstore.copying.memory_bound``), plus 10%. The replicated step is then verified
+being cut (``ckptstore.data.copying.memory_bound``), plus 10%. The replicated step is then verified
 (its manifest equal to the source's, every byte read back and checked), outside the timing.
 """
 
@@ -91,7 +91,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _replicate_row(spec: dict[str, Any]) -> dict[str, Any]:
     from ckptstore import CheckpointStore
-    from ckptstore.replication import replicate
+    from ckptstore.replication.replicator import replicate
 
     src = CheckpointStore(spec["src"], storage_options=spec["src_options"], lease=False)
     dst = CheckpointStore(spec["dst"], storage_options=spec["dst_options"])
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--rows: unknown {unknown}; choose from {', '.join(ROWS)}")
     from ckptstore import CheckpointStore
-    from ckptstore.copying import memory_bound
+    from ckptstore.data.copying import memory_bound
     from ckptstore.testing.s3server import LocalS3Server
 
     size, part = args.size_mb * MiB, args.part_size_mb * MiB

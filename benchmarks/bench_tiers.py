@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.observer import PersistStats
+from ckptstore.core.observer import PersistStats
 from ckptstore.testing.s3server import LocalS3Server
 
 MiB = 1 << 20

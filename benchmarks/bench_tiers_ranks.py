@@ -43,10 +43,11 @@ import torch
 import torch.distributed as dist
 from bench_tiers import MiB, drop_cache, state_of
 
-from ckptstore import CheckpointStore, layout
+from ckptstore import CheckpointStore
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
-from ckptstore.distributed import load_distributed, save_distributed
+from ckptstore.domain import layout
+from ckptstore.integrations.distributed import load_distributed, save_distributed
 from ckptstore.testing.s3server import LocalS3Server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

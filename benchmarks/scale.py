@@ -38,12 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.distributed import rank_dir
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain.info import CheckpointInfo
+from ckptstore.domain.manifest import KIND_STATE, FileEntry, Manifest
+from ckptstore.domain.plan import Plan
 from ckptstore.errors import CheckpointError
-from ckptstore.info import CheckpointInfo
-from ckptstore.manifest import KIND_STATE, FileEntry, Manifest
-from ckptstore.payload import SourceFile
-from ckptstore.plan import Plan
+from ckptstore.integrations.distributed import rank_dir
 from ckptstore.testing.faultproxy import FaultProxy
 from ckptstore.testing.s3server import LocalS3Server
 from ckptstore.testing.throttle import DEFAULT_SCALE, WRITES, Throttle
@@ -334,9 +334,9 @@ class StepsRow:
 def seed_steps(rig: Rig, uri: str, steps: int, every: int) -> None:
     """``steps`` committed steps (manifests without payload, steps ``every``, 2 x ``every``...)
     written straight to the server, and ``latest`` at the last."""
-    from ckptstore import layout
-    from ckptstore.environment import current_environment
-    from ckptstore.pointer import Pointer
+    from ckptstore.domain import layout
+    from ckptstore.domain.environment import current_environment
+    from ckptstore.protocol.pointer import Pointer
 
     bucket, root = uri[len("s3://") :].split("/", 1)
     client = rig.server.client()

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from ckptstore import layout
 from ckptstore.backends.base import Backend, Chunk, ObjectInfo
 from ckptstore.backends.proxy import BackendProxy
+from ckptstore.domain import layout
 
 
 class CountingBackend(BackendProxy):

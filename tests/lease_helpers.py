@@ -10,10 +10,10 @@ from dataclasses import replace
 from typing import Any
 
 from ckptstore.backends.base import Backend, ObjectInfo
+from ckptstore.domain.layout import LEASE_NAME
 from ckptstore.errors import BackendError
-from ckptstore.layout import LEASE_NAME
-from ckptstore.lease import WriterLease
-from ckptstore.lease_record import Process
+from ckptstore.protocol.lease import WriterLease
+from ckptstore.protocol.lease_record import Process
 
 THERE = Process("there", 99)
 """The contender's process, by default: on another host than the records' ``elsewhere``."""

@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable
 
 from ckptstore.backends.base import Backend
-from ckptstore.catalog import Catalog
-from ckptstore.commit import Committer
-from ckptstore.removal import Remover
-from ckptstore.signing import Signer
+from ckptstore.domain.signing import Signer
+from ckptstore.protocol.catalog import Catalog
+from ckptstore.protocol.commit import Committer
+from ckptstore.protocol.removal import Remover
 
 
 def committer_for(

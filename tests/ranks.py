@@ -33,7 +33,7 @@ PRELOAD = [
     "torch.distributed.tensor",
     "torch._dynamo.symbolic_convert",  # DTensor's first op imports it: 2 s per rank
     "boto3",
-    "ckptstore.distributed",
+    "ckptstore.integrations.distributed",
     "ckptstore.integrations.dcp",
 ]
 

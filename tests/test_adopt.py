@@ -21,8 +21,11 @@ import pytest
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
-from ckptstore.checksum import Crc32c
 from ckptstore.cli.main import run
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain.checksum import Crc32c
+from ckptstore.domain.layout import VERL_TRACKER_NAME, manifest_path
+from ckptstore.domain.manifest import encode_tombstone
 from ckptstore.errors import (
     ConfigError,
     ConflictError,
@@ -30,9 +33,6 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
-from ckptstore.layout import VERL_TRACKER_NAME, manifest_path
-from ckptstore.manifest import encode_tombstone
-from ckptstore.payload import SourceFile
 
 KEY = "5e1f" * 8
 Put = Callable[[str, bytes], None]
@@ -92,7 +92,7 @@ def foreign(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[s
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """64 KiB ranged reads, so the verl shards above are checksummed in several chunks."""
-    monkeypatch.setattr("ckptstore.transfer.CHUNK_SIZE", 64 << 10)
+    monkeypatch.setattr("ckptstore.data.transfer.CHUNK_SIZE", 64 << 10)
 
 
 def files_under(root: Path) -> dict[str, bytes]:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
+from ckptstore.domain.layout import manifest_path
 from ckptstore.errors import (
     AccessDeniedError,
     CheckpointError,
@@ -30,7 +31,6 @@ from ckptstore.errors import (
     NotFoundError,
     SerializationError,
 )
-from ckptstore.layout import manifest_path
 from keys import file_key
 
 

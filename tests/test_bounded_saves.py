@@ -112,7 +112,7 @@ def test_a_brownout_shorter_than_the_deadline_is_ridden_out(proxy: FaultProxy, s
 
 
 def _rank_saves(rank: int, world: int, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
-    from ckptstore.distributed import load_distributed, save_distributed
+    from ckptstore.integrations.distributed import load_distributed, save_distributed
 
     out: dict[str, Any] = {}
     with CheckpointStore(

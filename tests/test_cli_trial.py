@@ -16,7 +16,7 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.cli.main import run
 from ckptstore.config import SIGNING_KEY
-from ckptstore.payload import SourceFile
+from ckptstore.data.payload import SourceFile
 
 KEY = "5a" * 32
 

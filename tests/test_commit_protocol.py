@@ -18,6 +18,8 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain.layout import LATEST_NAME, manifest_path, step_dir
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
@@ -26,8 +28,6 @@ from ckptstore.errors import (
     PreconditionFailedError,
     UnsafeLoadError,
 )
-from ckptstore.layout import LATEST_NAME, manifest_path, step_dir
-from ckptstore.payload import SourceFile
 from faults import FaultyBackend, InjectedFault
 from keys import file_key
 from parts import committer_for
@@ -101,7 +101,7 @@ def test_concurrent_commits_of_one_step_let_exactly_one_win(make_store: StoreFac
     store = make_store()
     committer = committer_for(store.backend, writer="test")
     entries = committer.write_payload(3, [SourceFile("state.json", lambda: [b"{}"])])
-    from ckptstore.manifest import KIND_DIRECTORY, Manifest
+    from ckptstore.domain.manifest import KIND_DIRECTORY, Manifest
 
     outcomes: list[str] = []
 
@@ -215,7 +215,7 @@ def test_retention_keeps_latest_pins_and_newer_steps(make_store: StoreFactory) -
     # a step newer than latest (committed by a writer that has not moved latest yet) survives
     other = committer_for(store.backend, writer="other")
     entries = other.write_payload(60, [SourceFile("x", lambda: [b"x"])])
-    from ckptstore.manifest import KIND_DIRECTORY, Manifest
+    from ckptstore.domain.manifest import KIND_DIRECTORY, Manifest
 
     other.commit(Manifest(60, 1.0, KIND_DIRECTORY, tuple(entries), store._env(), "other"))
     assert store.prune() == [40]  # keep_last=2 keeps 50 and 60; 50 is latest anyway

@@ -41,8 +41,8 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.cli.main import run
-from ckptstore.lease import WriterLease
-from ckptstore.lease_record import read_lease
+from ckptstore.protocol.lease import WriterLease
+from ckptstore.protocol.lease_record import read_lease
 
 pytestmark = pytest.mark.wallclock  # each asserts how soon the process ends
 
@@ -169,9 +169,9 @@ FOLLOWER = textwrap.dedent(
     if trap == "heartbeat-start":
         in_the_heartbeat_start()  # armed before the follow takes the lease
     if trap == "lock-file":
-        import ckptstore.lease
+        import ckptstore.protocol.lease
 
-        ckptstore.lease.HURRIED_RELEASE = 1.0
+        ckptstore.protocol.lease.HURRIED_RELEASE = 1.0
         in_a_lock_file()  # armed before the first pass commits
     follow = replicate.follow
 
@@ -360,7 +360,7 @@ def interrupted(cleanup: Any) -> None:
 def test_a_release_while_a_ctrl_c_unwinds_waits_seconds_not_forever(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("ckptstore.lease.HURRIED_RELEASE", 0.5)
+    monkeypatch.setattr("ckptstore.protocol.lease.HURRIED_RELEASE", 0.5)
     backend = Stuck(LocalBackend(str(tmp_path / "store"), {}))
     lease = WriterLease(backend, "writer-a", heartbeat=False)
     lease.hold()

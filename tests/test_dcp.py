@@ -13,8 +13,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptstore import CheckpointStore, ConfigError
+from ckptstore.domain.layout import step_dir
 from ckptstore.integrations.dcp import METADATA_FILE, CkptStoreReader, CkptStoreWriter
-from ckptstore.layout import step_dir
 from ranks import run_ranks
 
 MiB = 1 << 20

@@ -24,10 +24,10 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.base import Chunk
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
+from ckptstore.domain.layout import step_dir
 from ckptstore.integrations import dcp_write
 from ckptstore.integrations.dcp import CkptStoreReader, CkptStoreWriter
 from ckptstore.integrations.dcp_write import RankFile
-from ckptstore.layout import step_dir
 
 MiB = 1 << 20
 DATA = "__0_0.distcp"

@@ -17,12 +17,12 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend, Chunk
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
+from ckptstore.data.payload import SourceFile
 from ckptstore.deadline import Deadline, current_deadline
-from ckptstore.distributed import load_distributed, save_distributed
+from ckptstore.domain.layout import LATEST_NAME
+from ckptstore.domain.manifest import KIND_DIRECTORY
 from ckptstore.errors import BackendError, DistributedCheckpointError, SaveTimeoutError
-from ckptstore.layout import LATEST_NAME
-from ckptstore.manifest import KIND_DIRECTORY
-from ckptstore.payload import SourceFile
+from ckptstore.integrations.distributed import load_distributed, save_distributed
 
 
 class MutePointer(BackendProxy):

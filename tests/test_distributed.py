@@ -17,15 +17,15 @@ from ckptstore import (
     DistributedCheckpointError,
     NotFoundError,
 )
-from ckptstore.commit import Previous
-from ckptstore.distributed import (
+from ckptstore.domain.layout import LEASE_NAME, step_dir
+from ckptstore.domain.manifest import FileEntry
+from ckptstore.domain.plan import Plan
+from ckptstore.integrations.distributed import (
     load_distributed,
     rank_dir,
     save_distributed,
 )
-from ckptstore.layout import LEASE_NAME, step_dir
-from ckptstore.manifest import FileEntry
-from ckptstore.plan import Plan
+from ckptstore.protocol.commit import Previous
 from ranks import Records, run_ranks
 
 MiB = 1 << 20

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
+from ckptstore.domain.layout import payload_path
 from ckptstore.errors import AccessDeniedError, BackendError, CorruptCheckpointError
-from ckptstore.layout import payload_path
 from faults import FaultyBackend
 
 

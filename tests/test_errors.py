@@ -25,8 +25,9 @@ from ckptstore.backends import fsutil
 from ckptstore.backends.base import Backend, join
 from ckptstore.backends.registry import open_backend
 from ckptstore.backends.s3_errors import Translator
-from ckptstore.catalog import Catalog
 from ckptstore.config import SIGNING_KEY_FILE, signing_key_from_env
+from ckptstore.data.transfer import scan_dir
+from ckptstore.domain.layout import LATEST_NAME, LEASE_NAME
 from ckptstore.errors import (
     AccessDeniedError,
     BackendError,
@@ -40,11 +41,10 @@ from ckptstore.errors import (
     ObjectExistsError,
     PreconditionFailedError,
 )
-from ckptstore.layout import LATEST_NAME, LEASE_NAME
-from ckptstore.lease import WriterLease
-from ckptstore.lease_record import LeaseRecord, Process
-from ckptstore.pointer import Pointer
-from ckptstore.transfer import scan_dir
+from ckptstore.protocol.catalog import Catalog
+from ckptstore.protocol.lease import WriterLease
+from ckptstore.protocol.lease_record import LeaseRecord, Process
+from ckptstore.protocol.pointer import Pointer
 
 ALL_ERRORS = sorted(
     (

@@ -23,11 +23,11 @@ from dataclasses import replace
 
 import pytest
 
-from ckptstore import layout
-from ckptstore.checksum import Crc32c
-from ckptstore.environment import current_environment
-from ckptstore.lease_record import LeaseRecord, Process
-from ckptstore.manifest import KIND_DIRECTORY, FileEntry, Manifest, encode_tombstone
+from ckptstore.domain import layout
+from ckptstore.domain.checksum import Crc32c
+from ckptstore.domain.environment import current_environment
+from ckptstore.domain.manifest import KIND_DIRECTORY, FileEntry, Manifest, encode_tombstone
+from ckptstore.protocol.lease_record import LeaseRecord, Process
 from harness import explore as ex
 from harness.cleanup import rolled_forward
 from harness.invariants import closed_left_durable, payload_key
@@ -542,5 +542,5 @@ def test_store_thread_pools_are_real_again_after_exploring() -> None:
         for name, module in list(sys.modules.items())
         if name.startswith("ckptstore.") and "ThreadPoolExecutor" in vars(module)
     }
-    assert pools["ckptstore.commit"] is concurrent.futures.ThreadPoolExecutor
+    assert pools["ckptstore.protocol.commit"] is concurrent.futures.ThreadPoolExecutor
     assert {name for name, pool in pools.items() if pool is InlineExecutor} == set()

@@ -44,21 +44,23 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstore import CheckpointStore, layout, removal, wiring
+from ckptstore import CheckpointStore, wiring
 from ckptstore.backends.base import Backend
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
-from ckptstore.catalog import Catalog
-from ckptstore.coordination import Staged
-from ckptstore.errors import CheckpointError, ConflictError, NotFoundError, StepBehindLatestError
-from ckptstore.manifest import (
+from ckptstore.core.coordination import Staged
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain import layout
+from ckptstore.domain.manifest import (
     KIND_DIRECTORY,
     dropping_tombstone,
     encode_tombstone,
     tombstone_dropping,
 )
-from ckptstore.payload import SourceFile
-from ckptstore.removal import Remover
+from ckptstore.errors import CheckpointError, ConflictError, NotFoundError, StepBehindLatestError
+from ckptstore.protocol import removal
+from ckptstore.protocol.catalog import Catalog
+from ckptstore.protocol.removal import Remover
 from faults import FaultyBackend, InjectedFault
 
 

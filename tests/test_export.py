@@ -29,7 +29,7 @@ from ckptstore.errors import ConfigError, ConflictError, CorruptCheckpointError
 from ckptstore.export import export_hf
 from ckptstore.export.ledger import Ledger, crc32c_combine
 from ckptstore.export.plan import Aliases, KeyMap, OutTensor, SourceTensor, drop_tied, plan_shards
-from ckptstore.follow import wait_for_step
+from ckptstore.replication.follow import wait_for_step
 from export_checks import assert_bits, exported, leftovers
 from verl_reshard_steps import full_state, mesh, shard
 

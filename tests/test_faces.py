@@ -22,11 +22,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptstore import CheckpointStore
-from ckptstore.distributed import load_distributed, save_distributed
+from ckptstore.domain.layout import VERL_TRACKER_NAME
 from ckptstore.integrations.dcp import METADATA_FILE, CkptStoreReader, CkptStoreWriter
+from ckptstore.integrations.distributed import load_distributed, save_distributed
 from ckptstore.integrations.verl import commit_step, prepare_resume
 from ckptstore.integrations.verl_nodes import LocalFleet, NodeAgent
-from ckptstore.layout import VERL_TRACKER_NAME
 from keys import file_key
 
 KEY_A = "a" * 64

@@ -20,14 +20,14 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.s3 import S3Backend
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain.layout import LATEST_NAME
 from ckptstore.errors import (
     BackendError,
     ConflictError,
     CorruptCheckpointError,
     PreconditionFailedError,
 )
-from ckptstore.layout import LATEST_NAME
-from ckptstore.payload import SourceFile
 from ckptstore.testing.faultproxy import QUIRKS, FaultProxy
 from parts import committer_for
 

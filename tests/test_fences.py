@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, CompatibilityError, FencedError
-from ckptstore.pointer import POINTER_SCHEMA, Fence, Pointer
+from ckptstore.protocol.pointer import POINTER_SCHEMA, Fence, Pointer
 
 
 def state(n: int) -> dict[str, torch.Tensor]:

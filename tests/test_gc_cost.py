@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 
-from ckptstore import CheckpointStore, layout
+from ckptstore import CheckpointStore
 from ckptstore.backends.proxy import BackendProxy
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain import layout
+from ckptstore.domain.manifest import KIND_STATE, encode_tombstone
 from ckptstore.errors import NotFoundError
-from ckptstore.garbage import TOMBSTONE_MAX_SIZE
-from ckptstore.manifest import KIND_STATE, encode_tombstone
-from ckptstore.payload import SourceFile
+from ckptstore.protocol.garbage import TOMBSTONE_MAX_SIZE
 from counting import CountingBackend
 
 DAY = 86400.0

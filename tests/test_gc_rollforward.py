@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import CheckpointStore, layout
-from ckptstore.payload import SourceFile
+from ckptstore import CheckpointStore
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain import layout
 from faults import FaultyBackend, InjectedFault
 
 

@@ -35,7 +35,7 @@ AREAS: dict[str, tuple[str, ...]] = {
     "demo": ("src/ckptstore/cli/demo.py", "src/ckptstore/testing/s3server.py"),
     # verl imports ckptstore's callback, not the other way round: its tests import verl
     "verl": ("src/ckptstore/integrations", "tests"),
-    "metrics": ("src/ckptstore/metrics.py",),
+    "metrics": ("src/ckptstore/integrations/prometheus.py",),
     "lightning": ("src/ckptstore/integrations/lightning.py",),
     # the Trainer integration; its test declares accelerate, which the Trainer itself needs
     "transformers": ("src/ckptstore/integrations/hf_trainer.py", "tests/test_hf_trainer.py"),

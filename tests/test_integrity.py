@@ -20,12 +20,12 @@ import torch
 
 from ckptstore import CheckpointStore, Loaded
 from ckptstore.backends.base import Backend
+from ckptstore.data.payload import SourceFile
+from ckptstore.data.serialize import encode_state
+from ckptstore.domain.layout import LATEST_NAME, manifest_path, step_dir
+from ckptstore.domain.manifest import KIND_STATE, Manifest
 from ckptstore.errors import ConflictError, CorruptCheckpointError, NotFoundError
-from ckptstore.layout import LATEST_NAME, manifest_path, step_dir
-from ckptstore.manifest import KIND_STATE, Manifest
-from ckptstore.payload import SourceFile
-from ckptstore.pointer import Pointer
-from ckptstore.serialize import encode_state
+from ckptstore.protocol.pointer import Pointer
 from keys import file_key
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptstore import CheckpointStore
-from ckptstore.layout import manifest_path
+from ckptstore.domain.layout import manifest_path
 from harness import killfuzz
 from harness.killcheck import Findings, LocalView, check
 from harness.killsaver import make_state

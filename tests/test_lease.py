@@ -23,13 +23,13 @@ import pytest
 
 # Imports torch here, not in a save under a short TTL (its import holds the GIL for long);
 # and a first import inside save() would pin that frame, with its store, until exit.
-import ckptstore.serialize  # noqa: F401
+import ckptstore.data.serialize  # noqa: F401
 from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
+from ckptstore.domain.layout import LEASE_NAME
 from ckptstore.errors import ConfigError, FencedError, LeaseHeldError
-from ckptstore.layout import LEASE_NAME
-from ckptstore.lease import DEFAULT_TTL, WriterLease
-from ckptstore.lease_record import LeaseRecord, Process, _proc_stat
+from ckptstore.protocol.lease import DEFAULT_TTL, WriterLease
+from ckptstore.protocol.lease_record import LeaseRecord, Process, _proc_stat
 from lease_helpers import (
     FakeTime,
     LeaseTroubles,
@@ -74,7 +74,7 @@ def lease_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     """What the lease modules logged."""
-    return [r.getMessage() for r in caplog.records if r.name.startswith("ckptstore.lease")]
+    return [r.getMessage() for r in caplog.records if r.name.startswith("ckptstore.protocol.lease")]
 
 
 # -- one writer at a time ------------------------------------------------------------------

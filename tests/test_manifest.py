@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from ckptstore.domain.layout import check_relpath, check_step, parse_step_dir
+from ckptstore.domain.manifest import KIND_STATE, SCHEMA_VERSION, Environment, FileEntry, Manifest
 from ckptstore.errors import CompatibilityError, ConfigError, CorruptCheckpointError
-from ckptstore.layout import check_relpath, check_step, parse_step_dir
-from ckptstore.manifest import KIND_STATE, SCHEMA_VERSION, Environment, FileEntry, Manifest
 
 ENV = Environment("0.1.0", "3.11.7", "2.13.0", None, "host", None, 1)
 

@@ -11,8 +11,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ckptstore import CheckpointStore
-from ckptstore.info import SaveStats
-from ckptstore.metrics import PrometheusMetrics
+from ckptstore.domain.info import SaveStats
+from ckptstore.integrations.prometheus import PrometheusMetrics
 from faults import FaultyBackend, InjectedFault
 
 

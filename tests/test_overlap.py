@@ -17,12 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstore import CheckpointStore, layout
-from ckptstore import snapshot as snapshot_module
-from ckptstore.background import BACKGROUND_NICENESS, BackgroundSaver
+from ckptstore import CheckpointStore
+from ckptstore.data import snapshot as snapshot_module
+from ckptstore.data.background import BACKGROUND_NICENESS, BackgroundSaver
+from ckptstore.data.snapshot import BackgroundCopy
+from ckptstore.domain import layout
 from ckptstore.errors import ConfigError
 from ckptstore.integrations.training import CheckpointCallback
-from ckptstore.snapshot import BackgroundCopy
 
 
 def _model() -> torch.nn.Module:

@@ -23,14 +23,14 @@ from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
+from ckptstore.data.serialize import PICKLE_FILE, SKELETON_FILE
+from ckptstore.domain.layout import LATEST_NAME, MANIFEST_NAME, manifest_path, step_dir
 from ckptstore.errors import (
     ConfigError,
     NotFoundError,
     UnsafeLoadError,
     UntrustedCheckpointError,
 )
-from ckptstore.layout import LATEST_NAME, MANIFEST_NAME, manifest_path, step_dir
-from ckptstore.serialize import PICKLE_FILE, SKELETON_FILE
 from keys import file_key
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from ckptstore import CheckpointStore, transfer
+from ckptstore import CheckpointStore
 from ckptstore.backends.proxy import BackendProxy
+from ckptstore.data import transfer
 from ckptstore.errors import ConfigError, CorruptCheckpointError, IncompleteCheckpointError
 from keys import file_key
 from test_cli import ckpt, data, error_line, ok

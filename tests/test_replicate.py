@@ -25,14 +25,14 @@ from ckptstore.backends.base import Backend, Chunk, ObjectAddress, ObjectInfo
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
 from ckptstore.backends.s3 import S3Backend
-from ckptstore.copying import memory_bound
+from ckptstore.data.copying import memory_bound
 from ckptstore.errors import (
     BackendError,
     ConflictError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ckptstore.replication import DOOMED, FENCED, ReplicationReport, follow, replicate
+from ckptstore.replication.replicator import DOOMED, FENCED, ReplicationReport, follow, replicate
 from ckptstore.testing.s3server import LocalS3Server
 from counting import CountingBackend
 from faults import FaultyBackend, InjectedFault

@@ -19,7 +19,7 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.cli.main import run
-from ckptstore.lease_record import read_lease
+from ckptstore.protocol.lease_record import read_lease
 from ckptstore.testing.s3server import LocalS3Server
 
 

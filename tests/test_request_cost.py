@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstore import CheckpointStore, layout
+from ckptstore import CheckpointStore
 from ckptstore.backends.local import LocalBackend
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain import layout
+from ckptstore.domain.manifest import KIND_STATE, Manifest
 from ckptstore.errors import ConflictError, NotFoundError, StepBehindLatestError
-from ckptstore.manifest import KIND_STATE, Manifest
-from ckptstore.payload import SourceFile
 from counting import CountingBackend
 from parts import committer_for
 

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstore import CheckpointStore, layout
+from ckptstore import CheckpointStore
 from ckptstore.backends.local import LocalBackend
-from ckptstore.errors import ConfigError
-from ckptstore.manifest import KIND_STATE, Manifest
-from ckptstore.retention import (
+from ckptstore.domain import layout
+from ckptstore.domain.manifest import KIND_STATE, Manifest
+from ckptstore.domain.retention import (
     KeepBest,
     KeepEvery,
     KeepEverySeconds,
@@ -32,6 +32,7 @@ from ckptstore.retention import (
     metric_value,
     steps_to_delete,
 )
+from ckptstore.errors import ConfigError
 from counting import CountingBackend
 from parts import committer_for
 

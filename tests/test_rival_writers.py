@@ -26,9 +26,9 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
+from ckptstore.domain.layout import LATEST_NAME
 from ckptstore.errors import CheckpointError, NotFoundError
-from ckptstore.layout import LATEST_NAME
-from ckptstore.pointer import Pointer
+from ckptstore.protocol.pointer import Pointer
 
 TIMEOUT = 120.0
 

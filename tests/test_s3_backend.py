@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from ckptstore import layout
 from ckptstore.backends import s3_multipart, s3_transfer
 from ckptstore.backends.registry import open_backend
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.backends.s3_options import S3Options
-from ckptstore.checksum import crc32c_base64
+from ckptstore.domain import layout
+from ckptstore.domain.checksum import crc32c_base64
 from ckptstore.errors import (
     AccessDeniedError,
     BackendError,

@@ -30,8 +30,8 @@ from ckptstore import (
     NotFoundError,
     StepBehindLatestError,
 )
-from ckptstore.manifest import check_metadata
-from ckptstore.payload import SourceFile
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain.manifest import check_metadata
 
 # -- 1. a step behind latest ---------------------------------------------------------------------
 
@@ -473,7 +473,10 @@ def test_nan_and_infinity_stay_refused(value: Any) -> None:
 
 
 def test_the_manifest_module_imports_neither_torch_nor_numpy() -> None:
-    code = "import sys, ckptstore.manifest; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    code = (
+        "import sys, ckptstore.domain.manifest; "
+        "print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout

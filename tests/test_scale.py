@@ -118,7 +118,7 @@ def _save_twice(rank: int, world: int, uri: str, options: dict[str, Any]) -> lis
     import torch
 
     from ckptstore import CheckpointStore
-    from ckptstore.distributed import rank_dir, save_distributed
+    from ckptstore.integrations.distributed import rank_dir, save_distributed
 
     counts: Counter[str] = Counter()
 

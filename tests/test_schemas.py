@@ -17,7 +17,7 @@ import torch
 
 from ckptstore import CheckpointStore, CompatibilityError, CorruptCheckpointError
 from ckptstore.cli.main import run as cli_run
-from ckptstore.manifest import SCHEMA_VERSION
+from ckptstore.domain.manifest import SCHEMA_VERSION
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SAVED = {

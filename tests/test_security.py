@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointError, CheckpointStore
+from ckptstore.domain.layout import manifest_path
 from ckptstore.errors import ConfigError, UntrustedCheckpointError
-from ckptstore.layout import manifest_path
 
 KEY = "9f2c" * 8
 OTHER_KEY = "a1b2" * 8

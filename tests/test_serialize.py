@@ -13,6 +13,14 @@ import pytest
 import safetensors.torch
 import torch
 
+from ckptstore.data.serialize import (
+    PICKLE_FILE,
+    SKELETON_FILE,
+    decode_shard,
+    decode_state,
+    encode_state,
+)
+from ckptstore.domain.state_selection import check_keys
 from ckptstore.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -20,14 +28,6 @@ from ckptstore.errors import (
     SerializationError,
     UnsafeLoadError,
 )
-from ckptstore.serialize import (
-    PICKLE_FILE,
-    SKELETON_FILE,
-    decode_shard,
-    decode_state,
-    encode_state,
-)
-from ckptstore.state_selection import check_keys
 
 
 def files_of(state: Any, **options: Any) -> dict[str, bytearray]:

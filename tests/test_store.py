@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, ConflictError, NotFoundError
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain.layout import LATEST_NAME, manifest_path, payload_path, pin_path, step_dir
 from ckptstore.errors import CompatibilityError, ConfigError
-from ckptstore.layout import LATEST_NAME, manifest_path, payload_path, pin_path, step_dir
-from ckptstore.payload import SourceFile
 from keys import file_key
 from parts import committer_for
 

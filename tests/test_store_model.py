@@ -51,15 +51,15 @@ from hypothesis.stateful import (
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
-from ckptstore.environment import current_environment
+from ckptstore.domain.environment import current_environment
+from ckptstore.domain.manifest import Environment, Manifest
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
     FencedError,
     StepBehindLatestError,
 )
-from ckptstore.lease_record import read_lease
-from ckptstore.manifest import Environment, Manifest
+from ckptstore.protocol.lease_record import read_lease
 from faults import FaultyBackend, InjectedFault
 from harness.cleanup import committed_objects
 from harness.invariants import same_state

@@ -16,7 +16,7 @@ import torch
 
 from ckptstore import CheckpointStore, FencedError
 from ckptstore.cli.main import run as cli_run
-from ckptstore.lease_record import LeaseRecord, read_lease
+from ckptstore.protocol.lease_record import LeaseRecord, read_lease
 
 
 def state(n: int) -> dict[str, torch.Tensor]:

@@ -187,7 +187,7 @@ def test_bad_tier_options_fail_at_open(
 
 def test_persisted_steps_reach_the_metrics(tmp_path: Path) -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
-    from ckptstore.metrics import PrometheusMetrics
+    from ckptstore.integrations.prometheus import PrometheusMetrics
 
     registry = prometheus_client.CollectorRegistry()
     metrics = PrometheusMetrics(registry)

@@ -15,7 +15,7 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
-from ckptstore.distributed import load_distributed, save_distributed
+from ckptstore.integrations.distributed import load_distributed, save_distributed
 from counting import CountingBackend
 from ranks import run_ranks
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from ckptstore import CheckpointStore
+from ckptstore.domain.layout import VERL_TRACKER_NAME
 from ckptstore.errors import (
     BackendError,
     CheckpointError,
@@ -34,7 +35,6 @@ from ckptstore.integrations.verl import (
     prepare_resume,
 )
 from ckptstore.integrations.verl_nodes import LocalFleet, NodeAgent, assign_files
-from ckptstore.layout import VERL_TRACKER_NAME
 from ckptstore.options import StoreOptions
 
 HAVE_VERL = importlib.util.find_spec("verl") is not None

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ckptstore import CheckpointStore
 from ckptstore.cli.main import run
+from ckptstore.domain.layout import VERL_TRACKER_NAME
 from ckptstore.errors import (
     CompatibilityError,
     ConflictError,
@@ -39,7 +40,6 @@ from ckptstore.integrations.verl_reshard import (
     world_size_of,
 )
 from ckptstore.integrations.verl_reshard_tensors import chunk_range
-from ckptstore.layout import VERL_TRACKER_NAME
 from verl_reshard_steps import (
     assert_same,
     fsdp2_step,

@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
+from ckptstore.domain.layout import LEASE_NAME, VERL_TRACKER_NAME
+from ckptstore.domain.retention import RetentionPolicy
 from ckptstore.errors import ConfigError, LeaseHeldError
 from ckptstore.integrations.verl import CkptstoreCallback, Resume, VerlStoreConfig
-from ckptstore.layout import LEASE_NAME, VERL_TRACKER_NAME
-from ckptstore.retention import RetentionPolicy
 
 needs_verl = pytest.mark.skipif(
     importlib.util.find_spec("verl") is None,

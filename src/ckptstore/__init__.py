@@ -1,6 +1,17 @@
 """ckptstore: atomic, verified, resumable checkpoints on local disks, NFS, S3 and fsspec URLs."""
 
-from ckptstore.background import SaveHandle
+from ckptstore import _moved
+from ckptstore.data.background import SaveHandle
+from ckptstore.domain.info import CheckpointInfo, GcReport, Loaded, SaveStats, VerifyReport
+from ckptstore.domain.retention import (
+    KeepBest,
+    KeepEvery,
+    KeepEverySeconds,
+    KeepLast,
+    Policy,
+    RetentionPolicy,
+    StepRecord,
+)
 from ckptstore.errors import (
     AccessDeniedError,
     BackendError,
@@ -20,17 +31,9 @@ from ckptstore.errors import (
     UntrustedCheckpointError,
     WaitTimeoutError,
 )
-from ckptstore.info import CheckpointInfo, GcReport, Loaded, SaveStats, VerifyReport
-from ckptstore.retention import (
-    KeepBest,
-    KeepEvery,
-    KeepEverySeconds,
-    KeepLast,
-    Policy,
-    RetentionPolicy,
-    StepRecord,
-)
 from ckptstore.store import CheckpointStore
+
+_moved.install()
 
 __all__ = [
     "AccessDeniedError",

@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
-from ckptstore import layout
-from ckptstore.compat import COMPAT_MODES
+from ckptstore.domain import layout
+from ckptstore.domain.compat import COMPAT_MODES
+from ckptstore.domain.retention import Policy, RetentionPolicy, as_policies
 from ckptstore.errors import ConfigError
-from ckptstore.lease import DEFAULT_TTL
-from ckptstore.retention import Policy, RetentionPolicy, as_policies
-from ckptstore.tiers import PersistPolicy
+from ckptstore.protocol.lease import DEFAULT_TTL
+from ckptstore.tiers.local import PersistPolicy
 
 Spelling = Callable[[str], str]
 

@@ -16,31 +16,31 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-from ckptstore import layout
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
-from ckptstore.background import SaveHandle
-from ckptstore.catalog import Catalog
-from ckptstore.commit import Previous
-from ckptstore.compat import check_compat
-from ckptstore.coordination import Coordinator, stage
-from ckptstore.environment import current_environment, world_size
+from ckptstore.core.coordination import Coordinator, stage
+from ckptstore.core.observer import SaveObserver
+from ckptstore.core.resolver import LOCAL, Resolved
+from ckptstore.data.background import SaveHandle
+from ckptstore.data.loading import download_step, load_state
+from ckptstore.data.payload import Progress, SourceFile
+from ckptstore.data.transfer import check_target
+from ckptstore.domain import layout
+from ckptstore.domain.compat import check_compat
+from ckptstore.domain.environment import current_environment, world_size
+from ckptstore.domain.info import CheckpointInfo, Loaded
+from ckptstore.domain.manifest import KIND_DIRECTORY, Environment, FileEntry
+from ckptstore.domain.plan import Plan
+from ckptstore.domain.retention import Policy
 from ckptstore.errors import ConfigError
-from ckptstore.follow import DEFAULT_INTERVAL, wait_for_step
-from ckptstore.info import CheckpointInfo, Loaded
-from ckptstore.lease import DEFAULT_TTL
-from ckptstore.loading import download_step, load_state
-from ckptstore.manifest import KIND_DIRECTORY, Environment, FileEntry
-from ckptstore.observer import SaveObserver
 from ckptstore.options import StoreOptions
-from ckptstore.payload import Progress, SourceFile
-from ckptstore.persister import Persister
-from ckptstore.plan import Plan
-from ckptstore.resolver import LOCAL, Resolved
-from ckptstore.retention import Policy
+from ckptstore.protocol.catalog import Catalog
+from ckptstore.protocol.commit import Previous
+from ckptstore.protocol.lease import DEFAULT_TTL
+from ckptstore.replication.follow import DEFAULT_INTERVAL, wait_for_step
 from ckptstore.store_upkeep import StoreUpkeep
-from ckptstore.tiers import TieredFiles, tier_listing
-from ckptstore.transfer import check_target
+from ckptstore.tiers.local import TieredFiles, tier_listing
+from ckptstore.tiers.persister import Persister
 from ckptstore.wiring import assemble
 
 if TYPE_CHECKING:

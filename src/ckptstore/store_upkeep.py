@@ -9,20 +9,20 @@ import builtins
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ckptstore import layout
-from ckptstore.adoption import Adopter, ForeignStep
-from ckptstore.async_saving import AsyncSaver
-from ckptstore.catalog import Catalog
-from ckptstore.garbage import GC_GRACE_SECONDS, GarbageCollector
-from ckptstore.info import CheckpointInfo, GcReport, VerifyReport
-from ckptstore.maintenance import Maintenance
-from ckptstore.manifest import check_metadata
-from ckptstore.payload import Progress
-from ckptstore.pruning import Pruner
-from ckptstore.removal import Remover
-from ckptstore.replica import Replica
-from ckptstore.replication import Replicable, replicate
-from ckptstore.resolver import Resolver
+from ckptstore.core.resolver import Resolver
+from ckptstore.data.async_saving import AsyncSaver
+from ckptstore.data.payload import Progress
+from ckptstore.domain import layout
+from ckptstore.domain.info import CheckpointInfo, GcReport, VerifyReport
+from ckptstore.domain.manifest import check_metadata
+from ckptstore.protocol.adoption import Adopter, ForeignStep
+from ckptstore.protocol.catalog import Catalog
+from ckptstore.protocol.garbage import GC_GRACE_SECONDS, GarbageCollector
+from ckptstore.protocol.maintenance import Maintenance
+from ckptstore.protocol.pruning import Pruner
+from ckptstore.protocol.removal import Remover
+from ckptstore.replication.destination import Replica
+from ckptstore.replication.replicator import Replicable, replicate
 
 
 class StoreUpkeep:

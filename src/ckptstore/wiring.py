@@ -24,27 +24,27 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ckptstore.adoption import Adopter
-from ckptstore.async_saving import AsyncSaver
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
-from ckptstore.catalog import Catalog
-from ckptstore.commit import Committer
 from ckptstore.config import key_bytes, signing_key_from_env
-from ckptstore.lease import WriterLease
-from ckptstore.maintenance import Maintenance
-from ckptstore.manifest import Environment
-from ckptstore.observer import SaveObserver
+from ckptstore.core.observer import SaveObserver
+from ckptstore.core.resolver import Resolver
+from ckptstore.core.saving import Saver
+from ckptstore.data.async_saving import AsyncSaver
+from ckptstore.domain.manifest import Environment
+from ckptstore.domain.retention import RetentionPolicy
+from ckptstore.domain.signing import Signer
 from ckptstore.options import StoreOptions
-from ckptstore.persister import Persister
-from ckptstore.pruning import Pins, Pruner
-from ckptstore.removal import Remover
-from ckptstore.replica import Replica
-from ckptstore.resolver import Resolver
-from ckptstore.retention import RetentionPolicy
-from ckptstore.saving import Saver
-from ckptstore.signing import Signer
-from ckptstore.tiers import DEFAULT_LOCAL_KEEP_LAST, LocalTier, TierPins
+from ckptstore.protocol.adoption import Adopter
+from ckptstore.protocol.catalog import Catalog
+from ckptstore.protocol.commit import Committer
+from ckptstore.protocol.lease import WriterLease
+from ckptstore.protocol.maintenance import Maintenance
+from ckptstore.protocol.pruning import Pins, Pruner
+from ckptstore.protocol.removal import Remover
+from ckptstore.replication.destination import Replica
+from ckptstore.tiers.local import DEFAULT_LOCAL_KEEP_LAST, LocalTier, TierPins
+from ckptstore.tiers.persister import Persister
 
 
 @dataclass(frozen=True)

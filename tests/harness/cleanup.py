@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 
-from ckptstore import layout
-from ckptstore.manifest import Manifest, tombstone_of_commit
+from ckptstore.domain import layout
+from ckptstore.domain.manifest import Manifest, tombstone_of_commit
 from harness.invariants import Checker, Violation, payload_key
 from harness.scheduler import Event, Stored
 

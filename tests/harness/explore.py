@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
-from ckptstore.lease_record import Process
+from ckptstore.protocol.lease_record import Process
 from harness.cleanup import Final, only_committed_left
 from harness.invariants import (
     READS,

@@ -3,7 +3,8 @@
 The checker reads the in-memory backend's own objects and each operation's recorded effects,
 never the store's view of them: a bug in the store's reading code must not hide a bug in its
 writing code. It knows the layout (manifest keys, ``latest.json``, pins, the lease) and decodes
-manifests with the real :class:`~ckptstore.manifest.Manifest`; anything at a manifest key that
+manifests with the real :class:`~ckptstore.domain.manifest.Manifest`;
+anything at a manifest key that
 does not decode as a manifest (a tombstone, for instance) is *not* a committed step.
 
 Actors have roles, which say what they may delete: a ``writer`` deletes no committed step
@@ -24,10 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore import layout
-from ckptstore.checksum import Crc32c
+from ckptstore.domain import layout
+from ckptstore.domain.checksum import Crc32c
+from ckptstore.domain.manifest import KIND_DIRECTORY, FileEntry, Manifest
 from ckptstore.errors import CheckpointError
-from ckptstore.manifest import KIND_DIRECTORY, FileEntry, Manifest
 from harness.lease_checks import LeaseWatch
 from harness.scheduled_backend import ScheduledBackend
 from harness.scheduler import Effect, Event, Stored

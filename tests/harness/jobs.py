@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ckptstore.coordination import Coordinator, Staged
-from ckptstore.distributed import rank_dir
+from ckptstore.core.coordination import Coordinator, Staged
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain.manifest import KIND_DIRECTORY
+from ckptstore.domain.plan import Plan
 from ckptstore.errors import BackendError
-from ckptstore.manifest import KIND_DIRECTORY
-from ckptstore.payload import SourceFile
-from ckptstore.plan import Plan
+from ckptstore.integrations.distributed import rank_dir
 from ckptstore.store import CheckpointStore
 from harness.scheduler import Actor
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckptstore import layout
 from ckptstore.backends.local import LOCK_PREFIX
+from ckptstore.domain import layout
+from ckptstore.domain.manifest import is_tombstone
 from ckptstore.errors import CheckpointError, NotFoundError
-from ckptstore.manifest import is_tombstone
-from ckptstore.pointer import Pointer
+from ckptstore.protocol.pointer import Pointer
 from harness.killsaver import make_state, same_state
 
 

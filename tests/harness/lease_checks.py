@@ -7,15 +7,16 @@ again, not even to release it. The defect this guards against (issue 19): a fenc
 ``release()`` swapped its own released record back over the new holder's, the epoch went
 back, and both jobs were fenced.
 
-The check decodes records with the real :class:`~ckptstore.lease_record.LeaseRecord`, and reads
+The check decodes records with the real
+:class:`~ckptstore.protocol.lease_record.LeaseRecord`, and reads
 only what the write did (its effect), never the writer's own idea of what it holds.
 """
 
 from __future__ import annotations
 
-from ckptstore import layout
+from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError
-from ckptstore.lease_record import LeaseRecord
+from ckptstore.protocol.lease_record import LeaseRecord
 from harness.scheduler import Effect, Stored
 
 

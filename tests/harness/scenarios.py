@@ -18,10 +18,10 @@ from typing import Any
 from unittest import mock
 
 from ckptstore.backends.base import Backend
-from ckptstore.background import Abandon
+from ckptstore.data.background import Abandon
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain.info import CheckpointInfo
 from ckptstore.errors import FencedError
-from ckptstore.info import CheckpointInfo
-from ckptstore.payload import SourceFile
 from ckptstore.store import CheckpointStore
 from harness.cleanup import Final, rolled_forward
 from harness.invariants import closed_left_durable, same_state
@@ -101,7 +101,7 @@ def _skip_idle_costs(store: CheckpointStore) -> None:
     own = vars(store)
     if own.get("_environment", False) is None:
         if not _ENVIRONMENT:
-            from ckptstore.environment import current_environment
+            from ckptstore.domain.environment import current_environment
 
             _ENVIRONMENT.append(current_environment(world_size=1))
         own["_environment"] = _ENVIRONMENT[0]

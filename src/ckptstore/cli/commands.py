@@ -43,9 +43,9 @@ from ckptstore.cli.format import (
     total_line,
 )
 from ckptstore.config import SIGNING_KEY, SIGNING_KEY_FILE
+from ckptstore.domain.info import SIGNATURE_NOT_CHECKED, CheckpointInfo, signature_status
+from ckptstore.domain.retention import metric_value
 from ckptstore.export.records import ExportRecord, by_step, list_records
-from ckptstore.info import SIGNATURE_NOT_CHECKED, CheckpointInfo, signature_status
-from ckptstore.retention import metric_value
 from ckptstore.store import CheckpointStore
 
 # -- reading commands ------------------------------------------------------------------------

@@ -22,12 +22,12 @@ from typing import Any, TypeVar
 import click
 from click.shell_completion import CompletionItem
 
-from ckptstore import layout
 from ckptstore.backends.registry import scheme_of
-from ckptstore.compat import COMPAT_MODES
+from ckptstore.domain import layout
+from ckptstore.domain.compat import COMPAT_MODES
+from ckptstore.domain.retention import BEST_MODES
 from ckptstore.errors import ConfigError, NotFoundError
 from ckptstore.options import CLI, StoreOptions
-from ckptstore.retention import BEST_MODES
 from ckptstore.store import CheckpointStore
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -196,7 +196,7 @@ def common_options(f: F) -> F:
 def retention_of(ctx: click.Context) -> dict[str, Any]:
     """The retention options given to the command (``retention_options``), as the store's
     keyword arguments: ``{"keep_last": 3}``; empty when none was given."""
-    retention: dict[str, Any] = ctx.meta.setdefault("ckptstore.retention", {})
+    retention: dict[str, Any] = ctx.meta.setdefault("ckptstore.domain.retention", {})
     return retention
 
 

@@ -16,8 +16,8 @@ import click
 
 from ckptstore.cli.common import STEP, StepRef, common_options, emit, open_store, resolve_step
 from ckptstore.cli.format import format_table, format_value, human_size, plural
-from ckptstore.info import CheckpointInfo
-from ckptstore.manifest import FileEntry
+from ckptstore.domain.info import CheckpointInfo
+from ckptstore.domain.manifest import FileEntry
 
 CHANGED, ADDED, REMOVED, SAME = "changed", "added", "removed", "identical"
 _MARK = {CHANGED: "M", ADDED: "A", REMOVED: "D", SAME: "="}

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore import layout
 from ckptstore.backends.base import Backend, join
 from ckptstore.cli.format import format_table, human_size, iso_time, plural
+from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError
 from ckptstore.store import CheckpointStore
 

@@ -13,9 +13,9 @@ from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from ckptstore.info import CheckpointInfo
-from ckptstore.manifest import Environment
-from ckptstore.retention import metric_value
+from ckptstore.domain.info import CheckpointInfo
+from ckptstore.domain.manifest import Environment
+from ckptstore.domain.retention import metric_value
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _MAX_METADATA_WIDTH = 60

@@ -38,8 +38,8 @@ from ckptstore.cli.common import (
 )
 from ckptstore.cli.format import human_size, plural
 from ckptstore.cli.transfer import progress_bar, progress_option, steps_text, writer_options
-from ckptstore.follow import DEFAULT_INTERVAL, MAX_INTERVAL
-from ckptstore.replication import ReplicationReport, follow, replicate
+from ckptstore.replication.follow import DEFAULT_INTERVAL, MAX_INTERVAL
+from ckptstore.replication.replicator import ReplicationReport, follow, replicate
 from ckptstore.store import CheckpointStore
 
 SECONDS = click.FloatRange(min=0)

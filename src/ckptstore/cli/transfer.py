@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 import click
 
-from ckptstore.adoption import LocalPush, LocalStep, difference, local_steps
 from ckptstore.cli.common import (
     LATEST,
     STEP,
@@ -38,11 +37,12 @@ from ckptstore.cli.common import (
     retention_options,
 )
 from ckptstore.cli.format import human_size, plural, step_record
+from ckptstore.data.payload import Progress
+from ckptstore.data.transfer import path_filter, scan_dir
+from ckptstore.domain.info import CheckpointInfo
 from ckptstore.errors import ConflictError, NotFoundError
-from ckptstore.info import CheckpointInfo
-from ckptstore.payload import Progress
+from ckptstore.protocol.adoption import LocalPush, LocalStep, difference, local_steps
 from ckptstore.store import CheckpointStore
-from ckptstore.transfer import path_filter, scan_dir
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -32,8 +32,10 @@ from typing import Any
 
 import torch
 
-from ckptstore import layout
 from ckptstore.backends.registry import open_backend, scheme_of
+from ckptstore.data.transfer import CHUNK_SIZE
+from ckptstore.domain import layout
+from ckptstore.domain.info import CheckpointInfo
 from ckptstore.errors import CheckpointError, ConfigError, ConflictError, NotFoundError
 from ckptstore.export.plan import (
     DTYPES,
@@ -43,9 +45,7 @@ from ckptstore.export.records import ExportRecord, find_record, write_record
 from ckptstore.export.source import StepSource
 from ckptstore.export.target import Target, open_target
 from ckptstore.export.writer import ModelWriter
-from ckptstore.info import CheckpointInfo
 from ckptstore.store import CheckpointStore
-from ckptstore.transfer import CHUNK_SIZE
 
 DEFAULT_SHARD_SIZE = 5 * 10**9
 """``save_pretrained``'s default ``max_shard_size`` ("5GB")."""

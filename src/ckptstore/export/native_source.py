@@ -18,11 +18,11 @@ from collections.abc import Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ckptstore.data.serialize import _CODES, FORMAT, SKELETON_FILE
 from ckptstore.errors import ConfigError, CorruptCheckpointError
 from ckptstore.export.found import Found, hf_files, json_object
 from ckptstore.export.plan import Piece, SourceTensor
 from ckptstore.export.source import StepSource
-from ckptstore.serialize import _CODES, FORMAT, SKELETON_FILE
 
 MODEL_KEY = "model"
 

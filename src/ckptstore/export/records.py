@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptstore import layout
 from ckptstore.backends.base import Backend
+from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError, CorruptCheckpointError
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 
 An export never downloads a step. It reads each file's archive directory, then each tensor's
 bytes where the file holds them, in ranged reads (one ranged GET each on S3) of at most
-:data:`~ckptstore.transfer.CHUNK_SIZE`, at most a few in flight
-(:class:`~ckptstore.transfer.ChunkReader`, the bound a pull keeps). Every read is noted in its
+:data:`~ckptstore.data.transfer.CHUNK_SIZE`, at most a few in flight
+(:class:`~ckptstore.data.transfer.ChunkReader`, the bound a pull keeps). Every read is noted in its
 file's :class:`~ckptstore.export.ledger.Ledger`; :meth:`StepSource.verify` then reads what no
 tensor needed and checks every touched file against the manifest's CRC32C. An export is
 published only after that check, so a corrupt byte fails the export, never ships in a model.
@@ -22,12 +22,12 @@ from contextlib import closing
 from types import TracebackType
 
 from ckptstore.backends.base import Backend, join
+from ckptstore.data.transfer import CHUNK_SIZE, PULL_CONCURRENCY, ChunkReader
+from ckptstore.domain.info import CheckpointInfo
+from ckptstore.domain.manifest import FileEntry
 from ckptstore.errors import NotFoundError
 from ckptstore.export.ledger import Ledger
-from ckptstore.info import CheckpointInfo
-from ckptstore.manifest import FileEntry
-from ckptstore.transfer import CHUNK_SIZE, PULL_CONCURRENCY, ChunkReader
-from ckptstore.verified import missing_file, size_mismatch
+from ckptstore.protocol.verified import missing_file, size_mismatch
 
 
 class StepSource:

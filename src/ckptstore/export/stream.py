@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from ckptstore.backends.base import Chunk
-from ckptstore.checksum import Crc32c
+from ckptstore.data.serialize import _DTYPES
+from ckptstore.domain.checksum import Crc32c
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.export.plan import Merged, OutTensor, Piece, SourceTensor
 from ckptstore.export.source import StepSource
-from ckptstore.serialize import _DTYPES
 
 Span = tuple[str, int, int]
 

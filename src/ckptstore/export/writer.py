@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ckptstore.checksum import Crc32c
-from ckptstore.environment import package_version
+from ckptstore.domain.checksum import Crc32c
+from ckptstore.domain.environment import package_version
 from ckptstore.errors import ConfigError, NotFoundError
 from ckptstore.export.dcp_source import find_dcp, is_dcp
 from ckptstore.export.found import Found, hf_files, json_object

@@ -55,22 +55,22 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptstore import layout
 from ckptstore.backends.base import join
-from ckptstore.collectives import Collectives
-from ckptstore.coordination import Coordinator, Staged
+from ckptstore.core.collectives import Collectives
+from ckptstore.core.coordination import Coordinator, Staged
+from ckptstore.data.payload import SourceFile
+from ckptstore.domain import layout
+from ckptstore.domain.info import CheckpointInfo
+from ckptstore.domain.manifest import KIND_DIRECTORY, FileEntry
+from ckptstore.domain.plan import Plan
 from ckptstore.errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
     NotFoundError,
 )
-from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.dcp_unpickle import check_weights_only, load_metadata, load_tensor
 from ckptstore.integrations.dcp_write import RankFile
-from ckptstore.manifest import KIND_DIRECTORY, FileEntry
-from ckptstore.payload import SourceFile
-from ckptstore.plan import Plan
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -356,6 +356,6 @@ def _read_metadata_file(store: CheckpointStore, info: CheckpointInfo) -> bytes:
     if METADATA_FILE not in {f.path for f in info.files}:
         raise ConfigError(
             f"{info.uri} has no DCP {METADATA_FILE}: it was not saved with CkptStoreWriter "
-            "(load it with store.load() or ckptstore.distributed.load_distributed)"
+            "(load it with store.load() or ckptstore.integrations.distributed.load_distributed)"
         )
     return bytes(store.read_file(info, METADATA_FILE))

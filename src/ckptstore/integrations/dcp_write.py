@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptstore.backends.base import Chunk
+from ckptstore.data.payload import SourceFile
 from ckptstore.errors import SerializationError
-from ckptstore.payload import SourceFile
 
 ZERO_COPY_MIN = 4096
 """Writes of ``torch.save`` at least this long are looked up in the tensor's memory; shorter

@@ -38,8 +38,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ckptstore.domain.info import CheckpointInfo
 from ckptstore.errors import ConfigError, NotFoundError
-from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.training import plain_metrics
 from ckptstore.store import CheckpointStore
 

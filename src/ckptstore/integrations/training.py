@@ -43,7 +43,7 @@ A job restarted after preemption should open its store with ``takeover=True``: t
 may still hold the writer lease, which would otherwise refuse the first save until it expires.
 
 What a step holds and how ``resume`` restores it is training_state.py's. This is for one
-process; multi-rank jobs use ``ckptstore.distributed`` or the DCP integration.
+process; multi-rank jobs use ``ckptstore.integrations.distributed`` or the DCP integration.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ from ckptstore.integrations.training_state import (
 )
 
 if TYPE_CHECKING:
-    from ckptstore.background import SaveHandle
-    from ckptstore.info import CheckpointInfo
+    from ckptstore.data.background import SaveHandle
+    from ckptstore.domain.info import CheckpointInfo
     from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)

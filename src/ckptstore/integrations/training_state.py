@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from ckptstore import layout
+from ckptstore.domain import layout
 from ckptstore.errors import ConfigError, ErrorContext, NotFoundError
 
 if TYPE_CHECKING:
-    from ckptstore.info import CheckpointInfo
+    from ckptstore.domain.info import CheckpointInfo
     from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)

@@ -39,13 +39,14 @@ from dataclasses import replace
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from ckptstore import layout
-from ckptstore.coordination import Coordinator
+from ckptstore.core.coordination import Coordinator
+from ckptstore.domain import layout
+from ckptstore.domain.info import CheckpointInfo
+from ckptstore.domain.manifest import KIND_DIRECTORY
 from ckptstore.errors import (
     CheckpointError,
     ConfigError,
 )
-from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.verl_config import (
     SECTION,
     UPLOAD_MODES,
@@ -54,7 +55,6 @@ from ckptstore.integrations.verl_config import (
 )
 from ckptstore.integrations.verl_nodes import Fleet, assign_files, check_complete, make_fleet
 from ckptstore.integrations.verl_resume import Resume, prepare, prepare_resume
-from ckptstore.manifest import KIND_DIRECTORY
 from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)

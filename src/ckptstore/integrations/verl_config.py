@@ -16,7 +16,7 @@ from typing import Any
 from ckptstore.errors import ConfigError
 from ckptstore.options import VERL, StoreOptions
 from ckptstore.store import CheckpointStore
-from ckptstore.tiers import PersistPolicy
+from ckptstore.tiers.local import PersistPolicy
 
 SECTION = "trainer.ckptstore"
 UPLOAD_MODES = ("auto", "driver", "per_node")

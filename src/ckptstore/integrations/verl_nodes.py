@@ -31,22 +31,22 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckptstore import layout
 from ckptstore.backends.fsutil import TMP_PREFIX, atomic_write, temp_name
-from ckptstore.coordination import Staged
+from ckptstore.core.coordination import Staged
+from ckptstore.data.payload import SourceFile, iter_file
 from ckptstore.deadline import current_deadline
+from ckptstore.domain import layout
+from ckptstore.domain.info import CheckpointInfo
+from ckptstore.domain.manifest import FileEntry, Manifest
+from ckptstore.domain.plan import Plan
 from ckptstore.errors import (
     BackendError,
     CheckpointError,
     ConfigError,
 )
-from ckptstore.info import CheckpointInfo
 from ckptstore.integrations.verl_config import SECTION, VerlRun, VerlStoreConfig
 from ckptstore.integrations.verl_steps import assign_files, check_complete
-from ckptstore.manifest import FileEntry, Manifest
 from ckptstore.options import StoreOptions
-from ckptstore.payload import SourceFile, iter_file
-from ckptstore.plan import Plan
 from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)

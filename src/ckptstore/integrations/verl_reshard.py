@@ -34,8 +34,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptstore import layout
 from ckptstore.backends.fsutil import TMP_PREFIX, temp_name
+from ckptstore.domain import layout
 from ckptstore.errors import (
     CompatibilityError,
     ConfigError,

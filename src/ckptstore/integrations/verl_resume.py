@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore import layout
+from ckptstore.domain import layout
 from ckptstore.errors import (
     CompatibilityError,
     ConfigError,

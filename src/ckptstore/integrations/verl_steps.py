@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from ckptstore import layout
+from ckptstore.domain import layout
 from ckptstore.errors import ConflictError, IncompleteCheckpointError
 
 _RANK_FILE = re.compile(r"^(?P<kind>.+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")

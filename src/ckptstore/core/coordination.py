@@ -1,0 +1,446 @@
+"""The one coordinated save under every face: begin once, stage per participant, commit or
+discard once.
+
+A step may be written by one process (``store.save``, ``push_dir``), by the ranks of a
+torch.distributed job (distributed.py), by DCP's writers (integrations/dcp.py) or by one agent
+per node of a verl job (integrations/verl.py). All of them run this sequence, and only this
+module writes it:
+
+1. **begin**, on the coordinator: wait for this store's save in flight, take or renew the
+   writer lease, refuse a step that is committed (removing one a fenced writer committed) or
+   behind ``latest``, and read ``latest``'s manifest once. The result is a Plan (plan.py),
+   cut per participant so none reads the pointer or the manifest (README "Scale").
+2. **stage**, on every participant (:func:`stage`): upload its files into an attempt
+   directory of its own, uncommitted. :meth:`Staged.of` runs it so that it never raises: a
+   failure travels to the coordinator as text, since a participant that skips a collective
+   hangs the others.
+3. **conclude**, on the coordinator: if any participant failed, discard every staged file and
+   raise one error naming each failure; else confirm the files, renew the lease (the fence
+   check), write the manifest create-only, move ``latest`` and apply retention.
+
+The save's deadline is set at begin and cut into each plan, so every face gets it. A failure
+before the manifest is written leaves nothing committed and removes the staged files (in the
+background past the deadline); after it, the step is committed and is reported so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ckptstore.data.payload import Progress, SourceFile
+from ckptstore.deadline import Deadline, bounded, clean_up, current_deadline, within
+from ckptstore.domain import layout
+from ckptstore.domain.info import CheckpointInfo, SaveStats
+from ckptstore.domain.manifest import Environment, FileEntry, Manifest, check_metadata
+from ckptstore.domain.plan import Plan
+from ckptstore.errors import (
+    CheckpointError,
+    ConflictError,
+    DistributedCheckpointError,
+    FencedError,
+    NotFoundError,
+    StepBehindLatestError,
+)
+from ckptstore.protocol.catalog import Catalog
+from ckptstore.protocol.commit import Committer, Previous
+from ckptstore.protocol.pointer import Pointer
+from ckptstore.protocol.removal import Remover
+
+if TYPE_CHECKING:
+    from ckptstore.data.background import Abandon
+
+log = logging.getLogger(__name__)
+
+NOT_SAVED = "was not saved (nothing committed, staged files discarded)"
+
+
+class Saver(Protocol):
+    """What a coordinated save needs of its store (saving.py's ``Saver`` has it)."""
+
+    catalog: Catalog
+    committer: Committer
+    remover: Remover
+    incremental: bool
+    save_timeout: float | None
+
+    @property
+    def uri(self) -> str: ...
+
+    def latest_step(self) -> int | None: ...  # the step not to fall behind, in any tier
+
+    def holds(self, step: int) -> bool: ...  # committed and readable in a tier of the store
+
+    def fences(self) -> Pointer | None: ...  # the pointer whose fences judge every tier
+
+    def drain(self) -> None: ...
+
+    def environment(self) -> Environment: ...
+
+    def clock(self) -> float: ...
+
+    def hold_lease(self) -> int: ...
+
+    def ensure_lease(self) -> int: ...
+
+    def due(self, step: int) -> bool:
+        """Whether ``step``, once committed, is due for the durable tier (saving.py)."""
+        ...
+
+    def share(self, plan: Plan, entries: Sequence[FileEntry]) -> None:
+        """A participant staged ``entries`` (in a local tier: node_tier.py)."""
+        ...
+
+    def advance_latest(self, step: int, *, epoch: int, newest_before: int | None) -> None:
+        """Move ``latest`` to the step just committed (saving.py)."""
+        ...
+
+    def saved(self, stats: SaveStats) -> None:
+        """After a commit moved ``latest``: log, tell the observer, apply retention."""
+        ...
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One participant's report to the coordinator: its entries, or why it failed."""
+
+    participant: int | str
+    entries: tuple[FileEntry, ...] = ()
+    error: str | None = None
+    tier: str | None = None
+    """The URI of the participant's node-local tier, if any: the coordinator confirms only
+    the files staged where it sees them; each participant saw its own written whole."""
+
+    @classmethod
+    def of(
+        cls,
+        participant: int | str,
+        stage: Callable[[], Iterable[FileEntry]],
+        *,
+        tier: str | None = None,
+    ) -> Staged:
+        """Run ``stage`` (staging into ``tier``, when not the coordinator's store); never
+        raises (the failure is logged and reported as text)."""
+        try:
+            return cls(participant, tuple(stage()), tier=tier)
+        except Exception as e:
+            return cls.failure(participant, e)
+
+    @classmethod
+    def failure(cls, participant: int | str, error: BaseException) -> Staged:
+        """The report of a participant whose staging raised ``error`` (logged here)."""
+        log.error("%s could not stage its files", _label(participant), exc_info=error)
+        return cls(participant, error=describe(error))
+
+
+def describe(error: BaseException) -> str:
+    """An error as one line of text, to send to other processes."""
+    return f"{type(error).__name__}: {error}"
+
+
+def stage(
+    saver: Saver,
+    plan: Plan,
+    files: Iterable[SourceFile],
+    progress: Progress | None = None,
+    *,
+    rank: int | None = None,
+    share: bool = True,
+) -> list[FileEntry]:
+    """A participant's part: upload ``files`` into an attempt of their own, uncommitted, by
+    the save's deadline (the store's ``save_timeout``; ``rank`` names it in a timeout); in a
+    store with local tiers, hand them to the tiers (``share``: persisted in the background
+    when the step is due).
+    Checks nothing the coordinator checked in :meth:`Coordinator.begin`."""
+    previous = plan.previous if saver.incremental else None
+    with within(plan.seconds, rank=rank):
+        entries = saver.committer.write_payload(
+            plan.step, files, progress, previous=previous, epoch=plan.epoch, save=plan.save
+        )
+    if share:
+        saver.share(plan, entries)
+    return entries
+
+
+@dataclass
+class Coordinator:
+    """One coordinated save of ``step`` into the saver's store (module docstring)."""
+
+    saver: Saver
+    step: int
+    kind: str
+    plan: Plan
+    metadata: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)
+    deadline: Deadline | None = None
+    """The save's deadline (``save_timeout``), set at begin: every phase runs by it."""
+
+    @classmethod
+    def begin(
+        cls,
+        saver: Saver,
+        step: int,
+        kind: str,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        allow_older: bool = False,
+    ) -> Coordinator:
+        """Step 1: everything checked and read once, before any participant uploads, by
+        the save's deadline, which starts now (one in force already is kept)."""
+        started = time.perf_counter()
+        user_metadata = check_metadata(metadata)
+        deadline = current_deadline() or Deadline.of(saver.save_timeout)
+        with bounded(deadline):
+            saver.drain()
+            epoch = saver.ensure_lease()  # fail before any upload if another writer holds it
+            _check_step_is_free(saver, step)
+            latest_step, manifest = _latest_read(saver, kind)
+            if not allow_older:
+                check_not_behind(saver, step, latest_step)
+        previous = Previous.of(manifest, latest_step)
+        left = deadline.remaining() if deadline is not None else None
+        plan = Plan(step, kind, epoch, previous, secrets.token_hex(8), saver.due(step), left)
+        return cls(saver, step, kind, plan, user_metadata, started, deadline)
+
+    def running(self) -> contextlib.AbstractContextManager[Deadline | None]:
+        """The save's deadline in force for the block (a face's waits on participants)."""
+        return bounded(self.deadline) if self.deadline is not None else contextlib.nullcontext()
+
+    def stage_here(
+        self, files: Iterable[SourceFile], progress: Progress | None = None
+    ) -> list[FileEntry]:
+        """Stage files from the coordinator's own process (a single-process save: its
+        persist copies them, no share)."""
+        with self.running():
+            return stage(self.saver, self.plan, files, progress, share=False)
+
+    def conclude(
+        self,
+        reports: Iterable[Staged],
+        *,
+        world_size: int | None = None,
+        coordinator: int | str = "the coordinator",
+    ) -> CheckpointInfo:
+        """Step 3 for many participants: commit if every one staged its files, else discard
+        the step. Every failure is a DistributedCheckpointError naming each participant's
+        error (the coordinator's own as ``coordinator``: rank 0, say) and what became of the
+        step."""
+        reports = list(reports)
+        failures = {r.participant: r.error for r in reports if r.error is not None}
+        if failures:
+            self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
+            raise self._failed(failures, NOT_SAVED)
+        entries = [e for r in reports for e in r.entries]
+        seen = [e for r in reports if r.tier in (None, self.saver.uri) for e in r.entries]
+        try:
+            return self.commit(entries, world_size=world_size, confirm=seen)
+        except Exception as e:
+            log.exception("%s could not commit step %d", _label(coordinator), self.step)
+            what = self._what_became(_label(coordinator))
+            raise self._failed({coordinator: describe(e)}, what) from e
+
+    def commit(
+        self,
+        entries: Iterable[FileEntry],
+        *,
+        world_size: int | None = None,
+        files_by_key: Mapping[str, tuple[str, ...]] | None = None,
+        blocked: float = 0.0,
+        abandon: Abandon | None = None,
+        confirm: Iterable[FileEntry] | None = None,
+    ) -> CheckpointInfo:
+        """Step 3 with the entries in hand: confirm them (those of ``confirm``, when only
+        they were staged where this store sees them), write the manifest, move ``latest``,
+        apply retention. Before the manifest, a failure removes the staged files and is
+        raised as it came."""
+        saver = self.saver
+        entries = tuple(entries)
+        environment = saver.environment()
+        if world_size is not None:
+            environment = replace(environment, world_size=world_size)
+
+        def manifest(epoch: int) -> Manifest:
+            return Manifest(
+                step=self.step,
+                created=saver.clock(),
+                kind=self.kind,
+                files=entries,
+                environment=environment,
+                writer=saver.committer.writer,
+                metadata=self.metadata,
+                lease_epoch=epoch,
+                files_by_key=dict(files_by_key) if files_by_key is not None else None,
+            )
+
+        seen = entries if confirm is None else tuple(confirm)
+        with self.running():
+            return self.publish(entries, manifest, blocked=blocked, abandon=abandon, confirm=seen)
+
+    def publish(
+        self,
+        entries: tuple[FileEntry, ...],
+        manifest_under: Callable[[int], Manifest],
+        *,
+        blocked: float = 0.0,
+        abandon: Abandon | None = None,
+        confirm: tuple[FileEntry, ...] | None = None,
+        on_failure: Callable[[set[str]], None] | None = None,
+    ) -> CheckpointInfo:
+        """Confirm ``entries`` (or ``confirm``), renew the lease (the fence check, right
+        before the commit), write ``manifest_under(epoch)`` create-only, move ``latest``,
+        apply retention. A failure before the manifest removes the staged attempts (or hands
+        them to ``on_failure``)."""
+        saver = self.saver
+        try:
+            saver.committer.confirm_payload(self.step, entries if confirm is None else confirm)
+            epoch = saver.hold_lease()
+            manifest = manifest_under(epoch)
+            if abandon is not None:
+                abandon.check()
+            manifest = saver.committer.commit(manifest)
+        except BaseException:
+            attempts = {e.attempt for e in entries if e.attempt}
+            if on_failure is not None:
+                on_failure(attempts)
+            else:
+                clean_up(lambda: saver.remover.discard_attempts(self.step, attempts), self._files)
+            raise
+        self._advance(epoch)
+        stats = SaveStats.of(manifest, time.perf_counter() - self.started, blocked)
+        saver.saved(stats)
+        return saver.catalog.info_of(manifest, stats)
+
+    def _advance(self, epoch: int) -> None:
+        """Move ``latest`` to the step just committed: a pointer that cannot be moved is a
+        warning, not a failed save (readers find the step by listing, the next save moves
+        it); a newer lease holder's pointer (FencedError) stops the writer."""
+        try:
+            self.saver.advance_latest(self.step, epoch=epoch, newest_before=self.plan.previous.step)
+        except FencedError:
+            raise
+        except CheckpointError as e:
+            log.warning("%s: step %d is committed, but latest could not be moved to it (%s); "
+                        "readers find it by listing, and the next save moves latest",
+                        self.saver.uri, self.step, e)  # fmt: skip
+
+    def discard(self, attempts: Iterable[str] = ()) -> None:
+        """Remove what this save's participants staged (``attempts`` they reported, and any
+        attempt whose marker names this save), and nothing of a rival's save of the step."""
+        doomed, remover = set(attempts), self.saver.remover
+        clean_up(lambda: remover.discard_save(self.step, self.plan.save, doomed), self._files)
+
+    @property
+    def _files(self) -> str:
+        return f"the staged files of step {self.step} in {self.saver.uri}"
+
+    def _what_became(self, coordinator: str) -> str:
+        try:
+            committed = self.saver.catalog.state_of(self.step, fresh=True).committed
+        except CheckpointError:
+            return f"failed on {coordinator} and may be committed (see `ckptstore ls`)"
+        return f"is committed, but {coordinator} failed after committing it" if committed else (
+            NOT_SAVED)  # fmt: skip
+
+    def _failed(self, failures: Mapping[int | str, str], what: str) -> DistributedCheckpointError:
+        listed = "; ".join(f"{_label(p)}: {text}" for p, text in _ordered(failures))
+        uri = self.saver.catalog.uri(layout.step_dir(self.step))
+        return DistributedCheckpointError(
+            f"step {self.step} {what}: {listed}",
+            failures,
+            uri=uri,
+            step=self.step,
+            path=layout.step_dir(self.step),
+        )
+
+
+def check_not_behind(saver: Saver, step: int, latest: int | None) -> None:
+    """Refuse a step older than ``latest``: nearly always a rerun that forgot to resume,
+    whose saves retention would delete right after committing them. A pointer ahead of every
+    committed step (its step deleted behind its back) is no reason to refuse:
+    ``advance_latest`` repairs it. A guard against mistakes, not a lock."""
+    if latest is None or step >= latest:
+        return
+    if not saver.holds(latest):
+        return  # a pointer at a step deleted or unreadable: a resume fell back past it
+    raise StepBehindLatestError(
+        f"{saver.uri}: refusing to save step {step}: latest is step {latest}, so step "
+        f"{step} would commit behind it and retention could delete it at once; nothing "
+        "was uploaded. If this run continues the old one, resume first "
+        "(`store.load()`, or `ckptstore.integrations.training.resume()`) and save the "
+        "steps after it; to start afresh, save into a new URI; to add an older step on "
+        "purpose, pass allow_older=True (CLI: --allow-older; latest stays, retention applies "
+        "as usual)",
+        uri=saver.catalog.uri(layout.step_dir(step)),
+        path=layout.step_dir(step),
+        step=step,
+    )
+
+
+def _check_step_is_free(saver: Saver, step: int) -> None:
+    """Refuse a committed step before anything is uploaded; remove a step that a writer
+    fenced off by a lease takeover committed (pointer.py), since it is never loaded."""
+    catalog = saver.catalog
+    if catalog.backend.stat(layout.manifest_path(step)) is None:
+        return
+    try:
+        manifest: Manifest | None = catalog.read_manifest(step)
+    except NotFoundError:
+        return  # a tombstone: the step was removed, and may be saved anew (removal.py)
+    except CheckpointError:
+        manifest = None  # unreadable, but there: committed all the same
+    pointer = saver.fences()
+    if (
+        manifest is not None
+        and pointer is not None
+        and pointer.fenced(step, manifest.writer, manifest.lease_epoch)
+    ):
+        log.warning(
+            "%s: removing step %d, committed by %s after it lost the writer lease (epoch %d); "
+            "saving it anew",
+            saver.uri,
+            step,
+            manifest.writer,
+            manifest.lease_epoch,
+        )
+        saver.remover.uncommit(step)
+        return
+    raise ConflictError(
+        f"step {step} is already committed in {saver.uri}; committed steps are immutable. "
+        "Save under a new step, or `ckptstore rm` it first",
+        uri=catalog.uri(layout.step_dir(step)),
+        path=layout.step_dir(step),
+        step=step,
+    )
+
+
+def _latest_read(saver: Saver, kind: str) -> tuple[int | None, Manifest | None]:
+    """``latest``'s step, and (incremental, same kind) its manifest, whose unchanged files
+    the participants copy: one pointer read and one manifest read per save."""
+    latest = saver.latest_step()
+    if latest is None:
+        return None, None
+    if not saver.incremental:
+        return latest, None
+    try:
+        manifest = saver.catalog.read_manifest(latest)  # fresh: its files are copied
+    except CheckpointError as e:
+        log.debug("no previous step to reuse files from: %s", e)
+        return latest, None
+    return latest, manifest if manifest.kind == kind else None
+
+
+def _label(participant: int | str) -> str:
+    return f"rank {participant}" if isinstance(participant, int) else str(participant)
+
+
+def _ordered(failures: Mapping[int | str, str]) -> list[tuple[int | str, str]]:
+    def key(item: tuple[int | str, str]) -> tuple[bool, int, str]:
+        who = item[0]
+        return (isinstance(who, str), who if isinstance(who, int) else 0, str(who))
+
+    return sorted(failures.items(), key=key)

@@ -1,0 +1,432 @@
+"""Which step a load starts from: the one resolver under every face.
+
+``store.load``, ``pull``, ``load_distributed``, the DCP reader and the verl resume all ask this
+module, so each rule below is written once:
+
+* Manifests are the truth and ``latest.json`` a fast path: the pointer's step, unless one
+  listing finds a newer committed step (a writer died between its commit and the pointer), or
+  a listing of every step when the pointer is missing or broken.
+* A step committed by a writer after it lost the lease (pointer.py) is never latest and never
+  a fallback; it loads only when asked for by number.
+* A manifest of a newer schema than this ckptstore reads is a CompatibilityError ("upgrade
+  ckptstore") wherever it would have been chosen: skipping it would resume an older step.
+* A step that fails verification is skipped with a warning for the newest older good one.
+* Only an empty store means "nothing to resume from" (NotFoundError). A store whose steps all
+  fail raises, counting the refused steps and saying why, so no job restarts from step 0
+  because of a wrong key or a corrupt bucket.
+
+* A store with a local tier (tiers.py) is resolved as one: the newest step either tier holds,
+  the local copy of a step before the durable copy, and the durable copy of a step that
+  failed locally before any older step. Fences are the durable pointer's, for both tiers.
+
+A :class:`Search` is one resolution's candidates and failures. ``resolve`` runs it in this
+process; a multi-rank load runs the same Search on its coordinator and reports every rank's
+verdict on each offered step back into it (distributed.py).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
+
+from ckptstore.deadline import Deadline, within
+from ckptstore.domain import layout
+from ckptstore.domain.info import CheckpointInfo
+from ckptstore.errors import (
+    CheckpointError,
+    CompatibilityError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotFoundError,
+    UntrustedCheckpointError,
+)
+from ckptstore.protocol.catalog import Catalog, fenced
+from ckptstore.protocol.pointer import Pointer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+LOCAL, DURABLE = "local", "durable"
+"""The tier a step was found in (``CheckpointInfo.tier``), in a store with a local tier."""
+
+VERIFY_ERRORS = (CorruptCheckpointError, IncompleteCheckpointError)
+"""What makes a step fall back to an older one (UntrustedCheckpointError is a corruption)."""
+
+
+@dataclass(frozen=True)
+class Resolved(Generic[T]):
+    """What ``resolve`` found: the step, the action's result, and the newer steps skipped."""
+
+    info: CheckpointInfo
+    value: T
+    skipped: tuple[int, ...] = ()
+    """Steps newer than ``info`` that failed verification (a resume may replace them)."""
+
+
+class Resolver:
+    """Chooses steps to load from one store's catalogs: its durable tier's, and those of the
+    tiers in front of it (tiers.py)."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        *,
+        faster: Sequence[Catalog] = (),
+        load_timeout: float | None = None,
+    ) -> None:
+        self.load_timeout = load_timeout
+        """Seconds a load may take (the store's ``load_timeout``): :meth:`resolve` and the
+        faces' own reads (:meth:`loading`) run by it."""
+        self.catalog = catalog
+        """The durable tier: its pointer's fences rule every tier."""
+        self.faster = tuple(faster)
+        """Tiers in front of it, fastest first (a local tier)."""
+
+    @property
+    def uri(self) -> str:
+        return self.catalog.backend.uri
+
+    @property
+    def tiers(self) -> tuple[Catalog, ...]:
+        return (*self.faster, self.catalog)
+
+    def loading(self) -> contextlib.AbstractContextManager[Deadline | None]:
+        """A load's deadline in force for the block (one in force already is kept): what a
+        face that reads a step's files itself runs under (distributed.py, the DCP reader)."""
+        return within(self.load_timeout, operation="load")
+
+    def _tagged(self, info: CheckpointInfo, catalog: Catalog) -> CheckpointInfo:
+        """``info`` with the tier it was found in, in a store that has tiers."""
+        if not self.faster:
+            return info
+        return replace(info, tier=DURABLE if catalog is self.catalog else LOCAL)
+
+    def _fences(self, catalog: Catalog, own: Pointer | None) -> Pointer | None:
+        """The pointer whose fences judge ``catalog``'s steps: the durable tier's."""
+        return own if catalog is self.catalog else self.catalog.pointer_or_none()
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed step a resume may start from, in any tier (module
+        docstring); ``None`` only when no tier holds a committed step at all."""
+        best: CheckpointInfo | None = None
+        refused: CheckpointError | None = None
+        for catalog in self.tiers:
+            try:
+                info = self.latest_in(catalog)
+            except CompatibilityError:
+                raise
+            except CorruptCheckpointError as e:
+                if not self.faster:
+                    raise
+                refused = refused or e  # another tier may still hold good steps
+                continue
+            if info is not None and (best is None or info.step > best.step):
+                best = info
+        if best is None and refused is not None:
+            raise refused
+        return best
+
+    def latest_in(self, catalog: Catalog) -> CheckpointInfo | None:
+        """The newest committed step of one tier, judged by the durable pointer's fences."""
+        pointer = None
+        try:
+            pointer, _ = catalog.read_pointer()
+            if pointer is not None and pointer.step is not None:
+                found = self.committed_after(pointer, catalog=catalog)
+                found = found or catalog.info(pointer.step)
+                if not fenced(self._fences(catalog, pointer), found):
+                    return self._tagged(found, catalog)
+                # a local tier's pointer moved by a writer fenced beside the new holder
+                log.warning("%s: latest step %d is a fenced writer's; listing the others",
+                            catalog.uri(""), found.step)  # fmt: skip
+        except (NotFoundError, CorruptCheckpointError) as e:
+            log.warning(
+                "%s: latest pointer is unusable (%s); falling back to listing", catalog.uri(""), e
+            )
+        fences = self._fences(catalog, pointer)
+        committed, broken = catalog.scan()
+        infos = [catalog.info_of(m) for m in committed]
+        readable = [i for i in infos if not fenced(fences, i)]
+        newest = readable[-1].step if readable else -1
+        self._refuse_newer_schema({s: e for s, e in broken.items() if s > newest})
+        for step, error in broken.items():
+            log.warning("step %d has an unreadable manifest: %s", step, error)
+        if not readable and broken:
+            raise refusal(catalog.uri(""), broken, fenced_count=len(infos))
+        if readable and pointer is None:
+            log.warning(
+                "%s: no %s, but committed steps exist; using the newest, %d",
+                catalog.uri(""),
+                layout.LATEST_NAME,
+                newest,
+            )
+        return self._tagged(readable[-1], catalog) if readable else None
+
+    def committed_after(
+        self, pointer: Pointer | None, *, catalog: Catalog | None = None
+    ) -> CheckpointInfo | None:
+        """The newest committed step past the pointer's (any, without one), if any: a writer
+        killed between its commit and moving the pointer (one listing of ``catalog``, by
+        default the durable tier's)."""
+        catalog = catalog if catalog is not None else self.catalog
+        fences = self._fences(catalog, pointer)
+        step = pointer.step if pointer is not None and pointer.step is not None else -1
+        for newer in reversed([s for s in catalog.step_dirs() if s > step]):
+            try:
+                info = catalog.info(newer)
+            except NotFoundError:
+                continue  # a save in flight, or garbage for gc
+            except CorruptCheckpointError as e:  # CompatibilityError is raised: never skipped
+                log.warning("step %d has an unreadable manifest: %s", newer, e)
+                continue
+            if fenced(fences, info):
+                log.warning(
+                    "%s: step %d was committed by %s after it lost the writer lease (epoch "
+                    "%d); ignoring it (ckptstore rm removes it)",
+                    catalog.uri(""),
+                    newer,
+                    info.manifest.writer,
+                    info.manifest.lease_epoch,
+                )
+                continue
+            log.warning(
+                "%s: %s is at step %d, but step %d is committed (its writer stopped before "
+                "moving the pointer); using %d",
+                catalog.uri(""),
+                layout.LATEST_NAME,
+                step,
+                newer,
+                newer,
+            )
+            return info
+        return None
+
+    def _refuse_newer_schema(self, broken: dict[int, CheckpointError]) -> None:
+        newest = [e for _, e in sorted(broken.items()) if isinstance(e, CompatibilityError)]
+        if newest:
+            raise newest[-1]
+
+    def info(self, step: int) -> CheckpointInfo:
+        """``step``'s info from the fastest tier that holds it committed; NotFoundError
+        (the durable tier's) when none does."""
+        return self.copies(step)[0]
+
+    def copies(self, step: int) -> builtins.list[CheckpointInfo]:
+        """``step`` as each tier holds it, fastest first; NotFoundError when none does."""
+        found: builtins.list[CheckpointInfo] = []
+        missing: NotFoundError | None = None
+        for catalog in self.tiers:
+            try:
+                found.append(self._tagged(catalog.info(step), catalog))
+            except NotFoundError as e:
+                missing = e
+            except CorruptCheckpointError as e:
+                if not self.faster:
+                    raise
+                log.warning("%s; trying the next tier", e)
+        if not found:
+            assert missing is not None
+            raise missing
+        return found
+
+    def search(
+        self,
+        step: int | None = None,
+        *,
+        fallback: bool = True,
+        newer_than: int | None = None,
+        also: Sequence[CheckpointInfo] = (),
+    ) -> Search:
+        """The candidates for loading ``step`` (one), or latest then, with ``fallback``, the
+        older good steps; only steps above ``newer_than`` when given. Each step is offered
+        once per tier that holds it, fastest first. ``also``: steps other nodes' local tiers
+        hold (distributed.py), offered first when newer than latest and not fenced."""
+        return Search(self, step, fallback=fallback, newer_than=newer_than, also=also)
+
+    def resolve(
+        self,
+        step: int | None,
+        fallback: bool,
+        action: Callable[[CheckpointInfo], T],
+        *,
+        newer_than: int | None = None,
+    ) -> Resolved[T]:
+        """Run ``action`` on the chosen step; on a verification failure, on the next
+        candidate. Raises :meth:`Search.exhausted`'s error when none is left."""
+        with self.loading():
+            search = self.search(step, fallback=fallback, newer_than=newer_than)
+            while (info := search.next()) is not None:
+                try:
+                    return Resolved(info, action(info), search.skipped_before(info))
+                except VERIFY_ERRORS as e:
+                    search.failed(info, e)
+            raise search.exhausted()
+
+    def older(self, than: int) -> Iterator[CheckpointInfo]:
+        """Committed steps before ``than``, newest first (each tier's copy, fastest first),
+        without fenced ones."""
+        fences = self.catalog.pointer_or_none()
+        found = [
+            (info.step, index, self._tagged(info, catalog))
+            for index, catalog in enumerate(self.tiers)
+            for info in catalog.list()
+            if info.step < than and not fenced(fences, info)
+        ]
+        for _, _, info in sorted(found, key=lambda f: (-f[0], f[1])):
+            yield info
+
+    def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
+        """Committed steps (of ``infos``, default all of the durable tier) that a writer
+        committed after it lost the writer lease."""
+        pointer = self.catalog.pointer_or_none()
+        chosen = self.catalog.list() if infos is None else infos
+        return [i.step for i in chosen if fenced(pointer, i)]
+
+
+class Search:
+    """One resolution: candidates newest first, read only once needed, and what failed."""
+
+    def __init__(
+        self,
+        resolver: Resolver,
+        step: int | None,
+        *,
+        fallback: bool,
+        newer_than: int | None,
+        also: Sequence[CheckpointInfo] = (),
+    ) -> None:
+        self.resolver = resolver
+        self.also = tuple(also)
+        self.explicit = step is not None
+        self.fallback = fallback and step is None
+        self.newer_than = newer_than
+        self._candidates = self._generate(step)
+        self._failures: dict[int, CheckpointError] = {}
+        self._offered = 0
+
+    def _generate(self, step: int | None) -> Iterator[CheckpointInfo]:
+        resolver = self.resolver
+        if step is not None:
+            yield from resolver.copies(layout.check_step(step))
+            return
+        latest = resolver.latest()
+        yield from self._elsewhere(latest)
+        if latest is None or not self._wanted(latest.step):
+            return
+        yield latest
+        if resolver.faster:  # the same step in the other tiers, before any older step
+            yield from (i for i in resolver.copies(latest.step) if i.tier != latest.tier)
+        if self.fallback:
+            for info in resolver.older(latest.step):
+                if not self._wanted(info.step):
+                    return
+                yield info
+
+    def _elsewhere(self, latest: CheckpointInfo | None) -> Iterator[CheckpointInfo]:
+        """Steps of ``also`` newer than ``latest``, newest first, one each, fenced ones
+        left out."""
+        fences = self.resolver.catalog.pointer_or_none() if self.also else None
+        newer = {
+            i.step: i
+            for i in self.also
+            if (latest is None or i.step > latest.step) and not fenced(fences, i)
+        }
+        for step in sorted(newer, reverse=True):
+            if self._wanted(step):
+                yield newer[step]
+
+    def _wanted(self, step: int) -> bool:
+        return self.newer_than is None or step > self.newer_than
+
+    def next(self) -> CheckpointInfo | None:
+        """The next step to try; None when no candidate is left (then :meth:`exhausted`).
+        Without fallback, only other tiers' copies of the one step are left after a
+        failure."""
+        info = next(self._candidates, None)
+        if info is not None:
+            self._offered += 1
+        return info
+
+    def failed(self, info: CheckpointInfo, error: CheckpointError) -> None:
+        """``info`` failed verification; the search goes on with an older step (or, without
+        fallback, ends with this error)."""
+        self._failures[info.step] = error
+        if self.resolver.faster:
+            log.warning("step %d failed verification in %s (%s); trying the next copy",
+                        info.step, info.uri, error)  # fmt: skip
+        elif self.fallback:
+            log.warning("step %d failed verification (%s); trying an older step", info.step, error)
+
+    @property
+    def skipped(self) -> tuple[int, ...]:
+        """The steps that failed so far, newest first."""
+        return tuple(sorted(self._failures, reverse=True))
+
+    def skipped_before(self, chosen: CheckpointInfo) -> tuple[int, ...]:
+        """The steps that failed, newest first, but ``chosen`` (whose copy in another tier
+        failed, when a later copy loads)."""
+        return tuple(s for s in self.skipped if s != chosen.step)
+
+    def exhausted(self) -> CheckpointError:
+        """The error that ends a search with no step left: the failure itself for one step;
+        NotFoundError when there was nothing to try (an empty store, or nothing newer than
+        ``newer_than``); else a count of the steps refused and why."""
+        uri = self.resolver.uri
+        if self._failures and not self.fallback:
+            return next(iter(self._failures.values()))
+        if not self._failures:
+            newer = f" newer than step {self.newer_than}" if self.newer_than is not None else ""
+            return NotFoundError(
+                f"{uri} holds no committed step{newer}: nothing to resume from. Check the URI "
+                "(and endpoint), or save a step first",
+                uri=uri,
+            )
+        return refusal(uri, self._failures)
+
+
+def refusal(
+    uri: str, failures: dict[int, CheckpointError], *, fenced_count: int = 0
+) -> CheckpointError:
+    """The error for a store whose committed steps were all refused: how many, and why,
+    grouped by reason. Its class is the refusals' common one (UntrustedCheckpointError when
+    every step is signed with another key or unsigned; CompatibilityError when every step is
+    of a newer schema), else CorruptCheckpointError."""
+    by_reason: dict[str, list[int]] = {}
+    for step, error in sorted(failures.items()):
+        by_reason.setdefault(_reason(error, uri), []).append(step)
+    reasons = "; ".join(
+        f"{reason} (step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))})"
+        for reason, steps in by_reason.items()
+    )
+    count = len(failures)
+    also = ""
+    if fenced_count:
+        also = f", and {fenced_count} committed by a writer that had lost the lease"
+    message = (
+        f"{uri}: no committed step passed verification; {count} step{'s' if count > 1 else ''} "
+        f"refused{also}: {reasons}. Nothing was loaded, and a resume must not start from "
+        "scratch here: fix the cause (signing key, ckptstore version, storage) or point the "
+        "job at another URI"
+    )
+    kinds = {type(e) for e in failures.values()}
+    cls: type[CheckpointError] = CorruptCheckpointError
+    for common in (UntrustedCheckpointError, CompatibilityError):
+        if all(issubclass(k, common) for k in kinds):
+            cls = common
+    return cls(message, uri=uri)
+
+
+def _reason(error: CheckpointError, uri: str) -> str:
+    """An error's message as a short reason, to the first ';': a manifest's refusal without
+    the manifest's URI (so that steps refused for one reason group), a file's with the file's
+    path in the store."""
+    text = str(error)
+    where = error.uri or ""
+    if where.endswith(layout.MANIFEST_NAME) and text.startswith(f"{where}: "):
+        text = text[len(where) + 2 :]
+    elif text.startswith(f"{uri}/"):
+        text = text[len(uri) + 1 :]
+    return text.split("; ", 1)[0].split("\n", 1)[0]

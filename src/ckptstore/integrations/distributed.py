@@ -1,0 +1,375 @@
+"""Multi-rank save and load over a torch.distributed process group.
+
+The save is the coordinated save (coordination.py) with rank 0 as coordinator: rank 0 begins
+it and scatters each rank its plan, every rank encodes its own state and uploads it, in
+parallel with the others, under ``rank_<r>/`` in the step directory, and rank 0 commits only
+after every rank reported success, so the step's single manifest lists every rank's files with
+their checksums and is the commit marker for all of them: a reader never sees a step that some
+rank did not finish. If any rank fails, rank 0 discards what the others staged (uploads are
+whole objects or aborted, so nothing half-written remains) and every rank raises the same error.
+
+Every rank reaches every collective whatever happened locally: failures travel as text (or as
+ckptstore errors, which pickle) instead of skipping a collective, which would hang the job. A
+rank that dies outright still hangs the others until the process group's timeout. Object
+collectives over NCCL run on the current CUDA device: set it (``torch.cuda.set_device``) first.
+
+Rank 0 reads ``latest`` and the previous step's manifest once, and each rank's plan holds only
+the entries under its own folder (the files it may copy instead of uploading): a rank reads
+neither, so its cost does not grow with the number of ranks (README "Scale"). A load is chosen
+by the store's resolver on rank 0 (resolver.py), so fenced steps, fallbacks and refusals follow
+the same rules as ``store.load``.
+
+Only rank 0 takes the writer lease (lease.py). Open the store with ``lease=False`` on the other
+ranks to say so; a default store is safe too, since staging never takes the lease.
+
+Each rank reads back exactly the files it wrote, so a load needs the world size of the save.
+To load with another world size, save through ``torch.distributed.checkpoint`` with
+``ckptstore.integrations.dcp.CkptStoreWriter``: DCP reshards on load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch.distributed as dist
+
+from ckptstore.backends.base import error_context
+from ckptstore.core.collectives import Collectives
+from ckptstore.core.coordination import Coordinator, Staged, describe
+from ckptstore.core.resolver import VERIFY_ERRORS, Search
+from ckptstore.data.payload import SourceFile
+from ckptstore.data.serialize import SKELETON_FILE, decode_state, encode_state
+from ckptstore.deadline import map_in_context
+from ckptstore.domain import layout
+from ckptstore.domain.compat import check_compat
+from ckptstore.domain.environment import current_environment
+from ckptstore.domain.info import CheckpointInfo
+from ckptstore.domain.manifest import KIND_STATE, FileEntry
+from ckptstore.domain.plan import Plan
+from ckptstore.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    DistributedCheckpointError,
+    ErrorContext,
+    IncompleteCheckpointError,
+)
+from ckptstore.tiers.peers import recover_from_peer, send_to_peer
+
+if TYPE_CHECKING:
+    from ckptstore.store import CheckpointStore
+    from ckptstore.tiers.persister import Persister
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def rank_dir(rank: int) -> str:
+    """The folder of one rank's files inside a step saved by ``save_distributed``."""
+    return f"rank_{rank:05d}"
+
+
+COLLECTIVE_MARGIN = 30.0
+"""Seconds a collective of a save with a deadline waits past it: a rank whose save failed at
+the deadline (and cleaned up) still reaches the collective, and a rank that never does (hung
+outside ckptstore's I/O) fails every other rank's save this long after the deadline."""
+# -- saving ---------------------------------------------------------------------------------
+
+
+def save_distributed(
+    store: CheckpointStore,
+    step: int,
+    state: Any,
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    allow_pickle: bool = False,
+) -> CheckpointInfo:
+    """Save each rank's ``state`` as one step; call it on every rank of ``group``.
+
+    Returns the same committed step's info on every rank, or raises
+    :class:`DistributedCheckpointError` on every rank, naming the ranks that failed and what
+    became of the step: normally nothing is committed and the staged files are discarded; only
+    a failure after the commit (moving ``latest``) leaves it committed. ``metadata`` is rank 0's.
+
+    With the store's ``save_timeout``, each rank's part runs by that deadline, and the
+    collectives wait :data:`COLLECTIVE_MARGIN` seconds longer at most, so a rank that stalls
+    makes every rank fail within the deadline plus that margin.
+    """
+    step = layout.check_step(step)
+    timeout = store.options.save_timeout
+    comm = Collectives(group, timeout=None if timeout is None else timeout + COLLECTIVE_MARGIN)
+    try:  # the deadline is the coordinated save's (coordination.py), on every rank
+        return _save(store, comm, step, state, metadata, allow_pickle)
+    except RuntimeError as e:  # a collective gave up waiting: a rank never reported
+        raise DistributedCheckpointError(
+            f"step {step} was not saved: rank {comm.rank} waited {timeout} s + "
+            f"{COLLECTIVE_MARGIN:g} s for the other ranks, and some never reported ({e}); "
+            "nothing was committed by this rank, and gc removes what was staged",
+            {comm.rank: describe(e)},
+            **_step_context(store.uri, step),
+        ) from e
+
+
+def _save(
+    store: CheckpointStore,
+    comm: Collectives,
+    step: int,
+    state: Any,
+    metadata: Mapping[str, Any] | None,
+    allow_pickle: bool,
+) -> CheckpointInfo:
+    # 1. Rank 0 begins the coordinated save and hands each rank its plan.
+    coordinator: Coordinator | None = None
+    plans: list[Plan | CheckpointError] | None = None
+    if comm.rank == 0:
+        try:
+            coordinator = store.begin_save(step, kind=KIND_STATE, metadata=metadata)
+            plans = [*coordinator.plan.split([rank_dir(r) for r in range(comm.size)])]
+        except Exception as e:
+            plans = [_as_checkpoint_error(e) for _ in range(comm.size)]
+    plan = comm.scatter(plans)
+    if isinstance(plan, CheckpointError):
+        raise DistributedCheckpointError(
+            f"step {step} was not saved: rank 0: {describe(plan)}",
+            {0: describe(plan)},
+            **_step_context(store.uri, step),
+        ) from plan
+    # 2. Every rank stages its own files (in its node's local tier, if the store has one);
+    # the entries (or the error) go to rank 0.
+    local_error: Exception | None = None
+    try:
+        staged = tuple(_stage(store, plan, state, comm.rank, allow_pickle))
+        report = Staged(comm.rank, staged, tier=store.local_uri)
+    except Exception as e:
+        local_error, report = e, Staged.failure(comm.rank, e)
+    try:
+        reports = comm.gather(report)
+    except RuntimeError:
+        if coordinator is not None:
+            coordinator.discard()
+        raise
+    # 3. Rank 0 commits, or discards; everyone learns which, and each node commits it in its
+    # local tier too (tiers.py) and copies its files to the next rank's (peers.py), behind.
+    outcome: CheckpointInfo | CheckpointError | None = None
+    if coordinator is not None and reports is not None:
+        try:
+            outcome = coordinator.conclude(reports, world_size=comm.size, coordinator=0)
+        except CheckpointError as e:
+            outcome = e
+    outcome = comm.broadcast(outcome)
+    _settle_tiers(store, comm, step, outcome, report)
+    if isinstance(outcome, CheckpointInfo):
+        return outcome
+    if outcome is None:  # unreachable: rank 0 always sends one
+        outcome = CheckpointError(f"step {step}: rank 0 sent no outcome")
+    raise outcome from local_error
+
+
+PEER_TIMEOUT = 600.0
+"""Seconds a copy to a peer node (peers.py) waits for its peer before it gives up."""
+
+
+def _peer_comm(comm: Collectives) -> Collectives:
+    """Collectives of a group of their own for peer copies, which run in a background thread
+    beside the save's collectives (made once per process, by every rank at the same point)."""
+    return Collectives(comm.group if comm.active else None, timeout=PEER_TIMEOUT)
+
+
+def _settle_tiers(
+    store: CheckpointStore,
+    comm: Collectives,
+    step: int,
+    outcome: CheckpointInfo | CheckpointError | None,
+    report: Staged,
+) -> None:
+    """With local tiers, after every rank learned the outcome: each other node commits the
+    step in its tier too and every node copies its files to the next rank's (behind the
+    save); or each other node drops what it staged (rank 0 discarded only what it sees)."""
+    tiers = store.tiers
+    if tiers is None:
+        return
+    node = tiers.node
+    peers = _peer_comm(comm) if store.options.replicas else None  # every rank, every save
+    if not isinstance(outcome, CheckpointInfo):
+        if comm.rank != 0:
+            node.local.remover.discard_attempts(
+                step, {e.attempt for e in report.entries if e.attempt}
+            )
+        return
+    if comm.rank != 0:
+        node.join(outcome.manifest)
+    if peers is not None:
+        entries = report.entries
+        node.to_peer(step, lambda: send_to_peer(peers, node, step, entries))
+
+
+def _step_context(store_uri: str, step: int) -> ErrorContext:
+    """``uri``, ``step``, ``path`` of an error about a whole step: its directory's."""
+    return {**error_context(store_uri, layout.step_dir(step)), "step": step}
+
+
+def _info_context(info: CheckpointInfo) -> ErrorContext:
+    """:func:`_step_context` of a committed step (``info.uri`` is its directory's URI)."""
+    return {"uri": info.uri, "step": info.step, "path": layout.step_dir(info.step)}
+
+
+def _as_checkpoint_error(error: Exception) -> CheckpointError:
+    """An error to send to the other ranks: ckptstore's pickle; others travel as text."""
+    return error if isinstance(error, CheckpointError) else CheckpointError(describe(error))
+
+
+def _stage(
+    store: CheckpointStore, plan: Plan, state: Any, rank: int, allow_pickle: bool
+) -> list[FileEntry]:
+    encoded = encode_state(state, shard_size=store.shard_size, allow_pickle=allow_pickle)
+    folder = rank_dir(rank)
+    files = [SourceFile(f"{folder}/{f.path}", f.chunks, f.size) for f in encoded.files()]
+    return store.stage_files(plan.step, files, plan=plan, rank=rank)
+
+
+# -- loading --------------------------------------------------------------------------------
+
+
+def load_distributed(
+    store: CheckpointStore,
+    step: int | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    fallback: bool = True,
+    allow_pickle: bool = False,
+) -> Any:
+    """This rank's state of ``step`` (default: latest), every byte verified; call it on every
+    rank of ``group``. The step must have been saved by as many ranks as ``group`` has.
+
+    Rank 0 asks the store's resolver (resolver.py: latest, fenced steps, refusals) and every
+    rank loads the step it offers. With no ``step`` and ``fallback``, a step that fails
+    verification on any rank is skipped, on every rank, for the newest older one (as
+    ``store.load`` does). ``store.last_loaded`` tells which step was loaded. Every rank loads
+    by the store's ``load_timeout``.
+    """
+    with store.resolver.loading():
+        return _load(store, Collectives(group), step, fallback, allow_pickle)
+
+
+def _load(
+    store: CheckpointStore, comm: Collectives, step: int | None, fallback: bool, allow_pickle: bool
+) -> Any:
+    tiers = store.tiers
+    also: list[CheckpointInfo] = []
+    if tiers is not None:  # a node that kept a newer step than rank 0's offers it too
+        also = [i for i in comm.all_gather(_newest_here(store, tiers)) if i is not None]
+    search = store.resolver.search(step, fallback=fallback, also=also) if comm.rank == 0 else None
+    while True:
+        offer: CheckpointInfo | CheckpointError | None = None
+        if search is not None:
+            offer = _offer(store, search, comm.size)
+        offer = comm.broadcast(offer)
+        if not isinstance(offer, CheckpointInfo):
+            raise offer if offer is not None else CheckpointError("rank 0 offered no step")
+        check_layout(offer, comm.size)
+        state: Any = None
+        local_error: Exception | None = None
+        status: tuple[str, str] | None = None
+        try:
+            if tiers is not None and store.options.replicas:
+                recover_from_peer(_peer_comm(comm), tiers.node, offer, _paths_of(offer, comm.rank))
+            state = _read_rank(store, offer, comm.rank, allow_pickle)
+        except VERIFY_ERRORS as e:
+            local_error, status = e, ("corrupt", describe(e))
+        except Exception as e:
+            local_error, status = e, ("error", describe(e))
+        statuses = comm.all_gather(status)
+        bad = {r: s for r, s in enumerate(statuses) if s is not None}
+        if not bad:
+            store.last_loaded = offer
+            if tiers is not None:  # this node's local tier holds the step whole again
+                tiers.node.hold(offer.manifest)
+            return state
+        listed = "; ".join(f"rank {r}: {text}" for r, (_, text) in sorted(bad.items()))
+        if any(kind == "error" for kind, _ in bad.values()):
+            raise DistributedCheckpointError(
+                f"step {offer.step} could not be loaded: {listed}",
+                {r: text for r, (_, text) in bad.items()},
+                **_info_context(offer),
+            ) from local_error
+        if search is not None:
+            search.failed(offer, CorruptCheckpointError(listed, **_info_context(offer)))
+
+
+def _offer(
+    store: CheckpointStore, search: Search, world_size: int
+) -> CheckpointInfo | CheckpointError:
+    """Rank 0: the next step to try, or the error that ends the search."""
+    try:
+        info = search.next()
+        if info is None:
+            return search.exhausted()
+        environment = current_environment(world_size=world_size)
+        check_compat(info.manifest.environment, environment, mode=store.compat, where=info.uri)
+        return info
+    except Exception as e:
+        return _as_checkpoint_error(e)
+
+
+def check_layout(info: CheckpointInfo, world_size: int) -> None:
+    """Raise ConfigError unless ``info`` is a step of ``save_distributed`` by ``world_size``."""
+    paths = {f.path for f in info.files}
+    if info.manifest.kind != KIND_STATE or f"{rank_dir(0)}/{SKELETON_FILE}" not in paths:
+        how = "store.load()" if SKELETON_FILE in paths else "store.pull_dir() or the DCP reader"
+        raise ConfigError(
+            f"{info.uri} was not saved by save_distributed (it has no {rank_dir(0)}/); "
+            f"load it with {how}",
+            **_info_context(info),
+        )
+    saved = info.manifest.environment.world_size
+    if saved != world_size:
+        raise ConfigError(
+            f"{info.uri} was saved by {saved} ranks, but this job has {world_size}: each rank "
+            "loads the files it saved, so the world size must match. To change it, save with "
+            "torch.distributed.checkpoint through ckptstore.integrations.dcp.CkptStoreWriter, "
+            "which reshards on load",
+            **_info_context(info),
+        )
+
+
+def _paths_of(info: CheckpointInfo, rank: int) -> list[str]:
+    """The paths of ``rank``'s files in a step of ``save_distributed``."""
+    prefix = rank_dir(rank) + "/"
+    return [f.path for f in info.files if f.path.startswith(prefix)]
+
+
+def _newest_here(store: CheckpointStore, tiers: Persister) -> CheckpointInfo | None:
+    """The newest step this node's local tier holds (None if none, or unreadable)."""
+    try:
+        return store.resolver.latest_in(tiers.local.catalog)
+    except CheckpointError as e:
+        log.warning("%s: the local tier offers no step: %s", tiers.local.uri, e)
+        return None
+
+
+def _read_rank(store: CheckpointStore, info: CheckpointInfo, rank: int, allow_pickle: bool) -> Any:
+    """Read and verify this rank's files (several at once; with a local tier, the local
+    copies where good), then decode them."""
+    prefix = rank_dir(rank) + "/"
+    mine = _paths_of(info, rank)
+
+    def read(path: str) -> memoryview:
+        return store.read_file(info, path)
+
+    with ThreadPoolExecutor(8, thread_name_prefix="ckpt-read") as pool:
+        data = dict(zip(mine, map_in_context(pool, read, mine), strict=True))
+
+    def get(path: str) -> memoryview:
+        try:
+            return data[prefix + path]
+        except KeyError as e:
+            raise IncompleteCheckpointError(
+                f"{info.uri}: the manifest lists no {prefix}{path}; the step is incomplete",
+                **_info_context(info),
+            ) from e
+
+    return decode_state(get, where=f"{info.uri}/{rank_dir(rank)}", allow_pickle=allow_pickle)

@@ -1,0 +1,454 @@
+"""The writer lease: one training job commits to a store at a time, and a zombie cannot.
+
+Two clusters may resume the same run by mistake, and a preempted job may go on running after
+its replacement started. The rule is a lease with a fencing epoch, like an etcd lease or a
+Kubernetes Lease object, kept in ``.ckptstore/lease.json`` (lease_record.py) and only ever
+changed by compare-and-swap on the object's version:
+
+* A writer takes the lease at its first write, or when the store is opened with
+  ``takeover=True``; taking it bumps the epoch and stamps the epoch into ``latest``, and no
+  writer moves a pointer stamped with a newer epoch than its own.
+* The holder renews the lease with a heartbeat thread every ``ttl / 4`` seconds, not only when
+  it saves: an RL job that saves every half hour keeps it, and its record changes for anyone
+  watching. Before each commit it renews once more, synchronously; that swap is the fence check.
+  It gives the lease up on ``close()``, at interpreter exit and when the store is collected, so
+  a script run twice just works. A SIGKILL leaves the record to expire after one TTL. While a
+  Ctrl-C unwinds, and at interpreter exit, giving it up waits :data:`HURRIED_RELEASE` seconds
+  at most (a storage that does not answer must not keep a Ctrl-C from ending the process): the
+  record then expires after one TTL, as after a kill.
+* A contender never compares its clock with the holder's: clocks of two hosts may be minutes
+  apart. If the holder ran on this machine and its process is gone, the contender takes over at
+  once. Otherwise it asks the storage for its own "now" (it writes a probe object and compares
+  modification times), and where the storage cannot tell, it watches: a record that changes
+  while watched has a live holder (``LeaseHeldError``, within about one heartbeat); one that
+  stays unchanged for a TTL on the watcher's own monotonic clock has expired.
+* The holder gives up on its own clock too: when no renewal has succeeded for a whole TTL (the
+  storage is failing, or the process stalled) it cannot know whether someone took over, so it
+  refuses to commit (:class:`~ckptstore.errors.FencedError`, saying why) until reopened.
+
+What remains: a zombie whose renewal succeeded just before a takeover can still write one
+manifest, never ``latest``, in the round trip that follows; the takeover's fence in ``latest``
+names that writer (pointer.py), so such a step is recognisable and never taken for latest.
+Maintenance (``prune``, ``rm``, ``gc``, pins) takes no lease, so an operator can run it beside a
+training job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import contextvars
+import logging
+import math
+import os
+import queue
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import replace
+
+from ckptstore.backends.base import Backend, join
+from ckptstore.deadline import Deadline, bounded
+from ckptstore.domain import layout
+from ckptstore.errors import (
+    BackendError,
+    CheckpointError,
+    CompatibilityError,
+    ConfigError,
+    FencedError,
+    LeaseHeldError,
+    PreconditionFailedError,
+)
+from ckptstore.protocol.lease_contest import Contender, held_message, lease_context, taken_message
+from ckptstore.protocol.lease_record import LeaseRecord, Process, read_lease
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL = 60.0
+"""Seconds without a renewal after which the lease is gone (the heartbeat renews every 1/4)."""
+_ATTEMPTS = 10
+_STOP_WAIT = 10.0
+HURRIED_RELEASE = 5.0
+"""Seconds giving the lease up may take while a Ctrl-C unwinds or the interpreter exits: the
+write runs on a daemon thread under a deadline of its own, and is left behind after that."""
+_HOLDERS: weakref.WeakValueDictionary[tuple[str, str], WriterLease] = weakref.WeakValueDictionary()
+"""The leases this process holds, by store URI and writer id (a tiered store's two tiers share
+one writer id): for a contender in this process, which need not guess, and for the release at
+exit (one hook for all, so nothing piles up)."""
+_ABANDONED: queue.SimpleQueue[WriterLease] = queue.SimpleQueue()
+"""Leases whose store was collected, for the releaser thread (SimpleQueue.put is safe in a
+finalizer, which may run in any thread at any allocation)."""
+_releaser: list[threading.Thread] = []
+
+
+def check_ttl(ttl: object) -> float:
+    """A valid ``lease_ttl`` as a float; ConfigError otherwise."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+        raise ConfigError(
+            f"lease_ttl must be a positive number of seconds (math.inf: never expires), got {ttl!r}"
+        )
+    return float(ttl)
+
+
+class WriterLease:
+    """This writer's hold on a store's lease."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        writer: str,
+        *,
+        ttl: float = DEFAULT_TTL,
+        takeover: bool = False,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        on_takeover: Callable[[int, str], None] | None = None,
+        heartbeat: bool = True,
+        process: Process | None = None,
+    ) -> None:
+        self.backend = backend
+        self.writer = writer
+        self.ttl = check_ttl(ttl)
+        self.takeover = takeover
+        self.clock = clock
+        """Wall clock, only for the record's informational ``acquired``/``renewed``."""
+        self.monotonic = monotonic
+        self.sleep = sleep
+        self.on_takeover = on_takeover
+        """Called with the new epoch and the displaced holder's writer id when this writer
+        takes the lease from an unreleased one."""
+        self.process = process if process is not None else Process.current()
+        self.epoch: int | None = None
+        """The epoch held, or None."""
+        self.lost: str | None = None
+        """Why the lease was lost, once it was: every later ``hold`` raises FencedError."""
+        self.abandoned = False
+        """Its store was collected: the releaser thread (or a contender first) releases it."""
+        self._beats = heartbeat and not math.isinf(self.ttl)
+        self._uri = join(backend.uri, layout.LEASE_NAME)
+        self._context = lease_context(backend)
+        """``uri`` and ``path`` of every error about the lease: its record's."""
+        self._record: LeaseRecord | None = None
+        self._version: str | None = None
+        self._renewed_at = 0.0  # monotonic start of the last successful write of ours
+        self._last_error: str | None = None
+        self._owner_pid = os.getpid()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- holding -------------------------------------------------------------------------
+
+    def hold(self) -> int:
+        """Take the lease, or renew it; returns the epoch. Call right before each commit."""
+        with self._lock:
+            if self.lost is not None:
+                raise FencedError(self.lost, **self._context)
+            if self.epoch is not None and os.getpid() != self._owner_pid:
+                raise FencedError(
+                    f"{self._uri}: held by the parent of this forked process", **self._context
+                )
+            if self.epoch is None:
+                self._acquire()
+                self._start_heartbeat()
+            else:
+                self._renew(raising=True)
+            assert self.epoch is not None
+            return self.epoch
+
+    def ensure(self) -> int:
+        """Take the lease if this writer does not hold it, else only check that it was not
+        lost (no write: the renewal right before a commit, ``hold``, is the fence check, so a
+        save costs one lease write). Returns the epoch."""
+        with self._lock:
+            if self.epoch is None or os.getpid() != self._owner_pid:
+                pass  # hold() takes it, or refuses a forked child, with its own messages
+            elif self.lost is not None:
+                raise FencedError(self.lost, **self._context)
+            else:
+                self._check_silence(self.monotonic())
+                return self.epoch
+        return self.hold()
+
+    def heartbeat(self) -> bool:
+        """One renewal (what the heartbeat thread does every ``ttl / 4``); False once the lease
+        is lost or not held."""
+        with self._lock:
+            if self.epoch is None or self.lost is not None:
+                return False
+            try:
+                self._renew(raising=False)
+            except FencedError:
+                return False
+            return True
+
+    def _renew(self, *, raising: bool) -> None:
+        """Renew by compare-and-swap. FencedError once lost; a storage error is raised when
+        ``raising`` (a commit waits on it), else logged (the heartbeat tries again)."""
+        assert self._record is not None
+        started = self.monotonic()
+        self._check_silence(started)
+        renewed = replace(self._record, renewed=max(self.clock(), self._record.renewed + 1e-6))
+        try:
+            self._write_ours(renewed)
+        except FencedError:
+            raise
+        except Exception as e:  # a heartbeat must outlive any failure; silence decides
+            self._last_error = f"{type(e).__name__}: {e}"
+            self._check_silence(self.monotonic())
+            if raising:
+                raise
+            log.warning(
+                "%s: could not renew the writer lease (%s); it is lost after %g s without one",
+                self._uri,
+                self._last_error,
+                self.ttl,
+            )
+            return
+        self._renewed_at = started
+        self._last_error = None
+
+    def _check_silence(self, now: float) -> None:
+        silent = now - self._renewed_at
+        if silent >= self.ttl:
+            error = self._last_error or "none: this process did not get to try (was it stopped?)"
+            self._lose(
+                f"could not renew it for {silent:.0f} s (lease_ttl {self.ttl:g} s; last error: "
+                f"{error}). It cannot know whether another writer has taken the store over "
+                "since, so it commits nothing more. Check the storage (network, credentials), "
+                "then reopen the store (a new CheckpointStore) to write again"
+            )
+
+    def _write_ours(self, record: LeaseRecord) -> None:
+        """Swap our record in; a version mismatch is our own retried write, or a takeover.
+        ``_version`` only ever holds the version of a record of ours: a fenced writer that
+        kept a newer holder's version could swap it out (at release, say)."""
+        for _ in range(_ATTEMPTS):
+            try:
+                self._version = self.backend.swap(layout.LEASE_NAME, record.encode(), self._version)
+                self._record = record
+                return
+            except PreconditionFailedError:
+                current, version, _ = read_lease(self.backend)
+                if current is None or not current.held_by(self.writer, self.epoch):
+                    self._lose(taken_message(current))
+                self._version = version  # still ours: our own write landed, its answer lost
+        raise BackendError(
+            f"{self._uri} keeps changing under its holder", retryable=True, **self._context
+        )
+
+    def _lose(self, reason: str) -> None:
+        self.lost = (
+            f"{self.backend.uri}: this writer ({self.writer}, epoch {self.epoch}) lost the "
+            f"writer lease: {reason}"
+        )
+        self._stop.set()
+        log.warning("%s", self.lost)
+        raise FencedError(self.lost, **self._context)
+
+    # -- taking it -------------------------------------------------------------------------
+
+    def _acquire(self) -> None:
+        for _ in range(_ATTEMPTS):
+            record, version, salvaged = read_lease(self.backend)
+            reason = None
+            if record is not None and not record.released and record.holder != self.writer:
+                reason = self._judge(record, version)
+                if reason is None:
+                    continue  # it changed hands or was released while judged: look again
+            epoch = (record.epoch if record is not None else salvaged) + 1
+            mine = LeaseRecord.new(epoch, self.writer, self.process, self.clock(), self.ttl)
+            if record is not None and reason is not None:
+                # Fence latest before the lease changes hands: a holder that is not yet fenced
+                # may still move latest, one that is can no longer do it (pointer.py).
+                self._fence_latest(epoch, record.holder)
+            started = self.monotonic()
+            try:
+                self._version = self.backend.swap(layout.LEASE_NAME, mine.encode(), version)
+            except PreconditionFailedError:
+                continue  # someone renewed or took it meanwhile: look again
+            self.epoch, self._record, self._renewed_at = epoch, mine, started
+            self._owner_pid = os.getpid()
+            _HOLDERS[self.backend.uri, self.writer] = self
+            _start_releaser()
+            if record is not None and reason is not None:
+                log.warning(
+                    "%s: took the writer lease (epoch %d) from %s: %s; it can no longer commit",
+                    self._uri,
+                    epoch,
+                    record.holder,
+                    reason,
+                )
+            return
+        raise BackendError(
+            f"{self._uri}: could not take the writer lease (too much contention)", **self._context
+        )
+
+    def _judge(self, record: LeaseRecord, version: str | None) -> str | None:
+        """Why an unreleased record of another writer may be taken (lease_contest.py)."""
+        if self.takeover:
+            return "takeover=True"
+        holder = record.process()
+        if holder and holder.pid == self.process.pid and self.process.same_machine(holder):
+            live = _HOLDERS.get((self.backend.uri, record.holder))
+            if live is not None and live.abandoned:
+                live.release()  # its store was collected: finish that release now, look again
+                return None
+            if live is not None and live.epoch == record.epoch and live.lost is None:
+                message = held_message(self.backend.uri, record, "it is open in this process")
+                raise LeaseHeldError(message, **self._context)
+            return "its store in this process no longer holds it"
+        return Contender(self.backend, self.writer, self.process, self.monotonic, self.sleep).judge(
+            record, version
+        )
+
+    def _fence_latest(self, epoch: int, displaced: str) -> None:
+        if self.on_takeover is None:
+            return
+        try:
+            self.on_takeover(epoch, displaced)
+        except CompatibilityError:
+            raise  # a pointer of a newer ckptstore: this one must not write the store at all
+        except CheckpointError as e:  # the lease itself fences: the zombie's next renewal fails
+            log.warning("%s: could not stamp the new lease epoch into latest: %s", self._uri, e)
+
+    # -- the heartbeat and letting go ---------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        if not self._beats:
+            return
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat, args=(self._stop,), name=f"ckpt-lease-{self.writer}", daemon=True
+        )
+        self._thread.start()
+
+    def _beat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.ttl / 4) and self.heartbeat():
+            pass
+
+    def release(self, *, hurry: bool | None = None) -> None:
+        """Give the lease up, so the next writer needs no ``takeover``. Idempotent; runs at
+        ``close()``, at interpreter exit and when the store is collected, so it never raises.
+        ``hurry`` (default: while a Ctrl-C unwinds) waits for the storage
+        :data:`HURRIED_RELEASE` seconds at most.
+
+        The record stays, marked released, so the epoch keeps counting up.
+        """
+        if hurry is None:
+            hurry = isinstance(sys.exc_info()[1], KeyboardInterrupt)
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # A Ctrl-C that landed in the heartbeat's start() may have left a thread that never
+            # started (join raises), or one that did: it sees the stop at its first wait.
+            with contextlib.suppress(RuntimeError):
+                thread.join(_STOP_WAIT)
+        if os.getpid() != self._owner_pid:
+            return  # a forked child: the lease is its parent's
+        if not self._lock.acquire(timeout=_STOP_WAIT):
+            log.warning("%s: the writer lease is busy; not released", self._uri)
+            return
+        try:
+            if self.epoch is not None and self._record is not None:
+                if hurry:
+                    self._write_released_soon(self._record)
+                else:
+                    self._write_released(self._record)
+        except Exception as e:  # at exit or in a finalizer nobody could catch it
+            log.warning(
+                "%s: could not release the writer lease (the next writer waits up to %g s, or "
+                "takes over): %s",
+                self._uri,
+                self.ttl,
+                e,
+            )
+        finally:
+            _HOLDERS.pop((self.backend.uri, self.writer), None)
+            self.epoch, self._record, self._thread = None, None, None
+            self._lock.release()
+
+    def release_when_collected(self, owner: object) -> None:
+        """Release when ``owner`` (the store) is garbage-collected, holding no reference to it.
+
+        Not from the finalizer itself: the collector runs in whichever thread allocates, maybe
+        one that the release's own request waits on (an in-process server) or one holding a
+        lock it needs. The finalizer only queues the lease for the releaser thread.
+        """
+        weakref.finalize(owner, self._abandon).atexit = False  # _release_all does exit
+
+    def _abandon(self) -> None:
+        self.abandoned = True
+        _ABANDONED.put(self)
+
+    def _write_released_soon(self, record: LeaseRecord) -> None:
+        """:meth:`_write_released`, waited for :data:`HURRIED_RELEASE` seconds at most: on a
+        daemon thread (a request blocked in a socket, or on a lock, must not hold the process
+        at exit), under a deadline of its own (retries stop by then). Raises what it raised."""
+        done = threading.Event()
+        failed: list[Exception] = []
+
+        def run() -> None:
+            try:
+                with bounded(Deadline.after(HURRIED_RELEASE)):
+                    self._write_released(record)
+            except Exception as e:
+                failed.append(e)
+            finally:
+                done.set()
+
+        context = contextvars.copy_context()
+        try:
+            threading.Thread(
+                target=context.run, args=(run,), name="ckpt-lease-release", daemon=True
+            ).start()
+        except RuntimeError:  # no thread starts at interpreter shutdown (3.12+): here, then
+            run()
+        if not done.wait(HURRIED_RELEASE + 1.0):
+            raise BackendError(
+                f"{self._uri}: the storage did not answer within {HURRIED_RELEASE:g} s",
+                retryable=True,
+                **self._context,
+            )
+        if failed:
+            raise failed[0]
+
+    def _write_released(self, record: LeaseRecord) -> None:
+        """Mark our record released, by compare-and-swap against our own record's version:
+        a record that is no longer ours (taken over) is never written again."""
+        if self.lost is not None:
+            return  # fenced: the record belongs to the writer that took it
+        released = replace(record, released=True, renewed=self.clock())
+        version = self._version
+        for _ in range(_ATTEMPTS):
+            try:
+                self.backend.swap(layout.LEASE_NAME, released.encode(), version)
+                return
+            except PreconditionFailedError:
+                current, version, _ = read_lease(self.backend)
+                if current is None or not current.held_by(self.writer, record.epoch):
+                    return  # taken over meanwhile: nothing of ours to give up
+
+
+def _start_releaser() -> None:
+    """The thread that releases abandoned leases (started again in a forked child)."""
+    if not any(thread.is_alive() for thread in _releaser):
+        _releaser[:] = [threading.Thread(target=_release_abandoned, name="ckpt-lease-releaser")]
+        _releaser[0].daemon = True
+        _releaser[0].start()
+
+
+def _release_abandoned() -> None:
+    while True:
+        _ABANDONED.get().release()
+
+
+@atexit.register
+def _release_all() -> None:
+    """At interpreter exit, after threading's exit hooks (a pending async save commits first);
+    each release waits :data:`HURRIED_RELEASE` seconds at most."""
+    for lease in list(_HOLDERS.values()):
+        lease.release(hurry=True)

@@ -1,0 +1,308 @@
+"""Removing steps and attempts, so that no reader ever sees half a step.
+
+* Uncommitting (retention, ``rm``) swaps the manifest for a tombstone first, then deletes the
+  payload, so an interrupted delete never leaves a half-deleted committed step; the next prune
+  or ``gc`` that finds the tombstone finishes the removal (``roll_forward``).
+* Removing the attempts of an uncommitted step (``abort_step``, used by ``discard`` and ``gc``)
+  first puts a tombstone at the manifest key with a create-only write. While it stands no commit
+  of the step can succeed, so no file is deleted from under a step being committed.
+* A tombstone is deleted in two phases (``drop_tombstone``), because a save may commit over a
+  tombstone that names none of its attempts (compare-and-swap), and a plain read-then-delete
+  would delete a manifest committed in between. The dropper first marks the tombstone
+  *dropping* by compare-and-swap (which fails if a commit got there first), then deletes it,
+  only within :data:`DROP_WINDOW` seconds of starting, on its own monotonic clock. Nobody
+  commits or claims over a dropping tombstone: they wait for the key to go, and only after
+  watching it for longer than the window (the dropper died, or gave up) swap over it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from ckptstore import deadline
+from ckptstore.backends.base import Backend
+from ckptstore.deadline import Deadline, bounded
+from ckptstore.domain import layout
+from ckptstore.domain.manifest import (
+    Manifest,
+    dropping_tombstone,
+    encode_tombstone,
+    is_tombstone,
+    tombstone_attempts,
+    tombstone_dropping,
+    tombstone_of_commit,
+)
+from ckptstore.errors import (
+    CheckpointError,
+    DeadlineExceededError,
+    NotFoundError,
+    ObjectExistsError,
+    PreconditionFailedError,
+)
+from ckptstore.protocol.catalog import Catalog
+
+log = logging.getLogger(__name__)
+
+DROP_WINDOW = 10.0
+"""Seconds after it began marking a tombstone dropping within which a dropper deletes it."""
+DROP_MARGIN = 5.0
+"""What a waiter adds to the window: requests in flight, clocks that tick a little apart."""
+
+
+class Remover:
+    """Deletes steps and attempts from one backend, tombstone first."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        writer: str,
+        catalog: Catalog,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.backend = backend
+        self.writer = writer
+        self.catalog = catalog
+        self.clock = clock
+        self.monotonic = monotonic
+        self.sleep = sleep
+
+    def uncommit(self, step: int) -> None:
+        """Delete a committed step: its manifest is swapped for a tombstone first (the step is
+        uncommitted from that instant), then the files it lists go, then the tombstone. A
+        delete that dies half-way leaves a tombstone and files that ``gc`` removes, never a
+        half step. Removing the tombstone at once is safe here, unlike in :meth:`abort_step`:
+        the files deleted belong to attempts that were committed, which nobody commits again."""
+        path = layout.manifest_path(step)
+        try:
+            data, version = self.backend.read_versioned(path)
+        except NotFoundError:
+            return
+        if is_tombstone(data):
+            return
+        manifest = Manifest.decode(data, where=self.catalog.uri(path))
+        attempts = {f.attempt for f in manifest.files if f.attempt is not None}
+        tombstone = encode_tombstone(self.writer, self.clock(), attempts, committed=True)
+        self._swap(path, tombstone, version)
+        self.catalog.forget(step)
+        markers = {layout.attempt_marker_path(step, a) for a in attempts}
+        delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
+        self.drop_tombstone(step)
+
+    def roll_forward(self, step: int) -> list[str] | None:
+        """Finish an uncommit that died half-way (its tombstone stands): delete what is left
+        of the attempts it names, then the tombstone. Returns what was deleted; ``None`` when
+        the key holds no uncommit's tombstone (nothing to finish here)."""
+        path = layout.manifest_path(step)
+        try:
+            data = self.backend.read(path)
+        except NotFoundError:
+            return None
+        if not tombstone_of_commit(data):
+            return None
+        attempts = tombstone_attempts(data) or frozenset()
+        doomed = [
+            o.path
+            for o in self.backend.list(layout.step_dir(step) + "/")
+            if layout.parse_attempt_path(step, o.path) in attempts
+        ]
+        delete_attempt_files(self.backend, doomed)
+        self.drop_tombstone(step)
+        log.info("finished the removal of step %d from %s", step, self.backend.uri)
+        return [*doomed, path]
+
+    def _swap(self, path: str, data: bytes, version: str) -> None:
+        """Compare-and-swap, where a failed precondition caused by our own swap (it landed,
+        its answer was lost, the retry found the object changed) counts as done."""
+        try:
+            self.backend.swap(path, data, version)
+        except PreconditionFailedError:
+            with contextlib.suppress(NotFoundError):
+                if self.backend.read(path) == data:
+                    return
+            raise
+
+    def discard_attempts(self, step: int, attempts: Iterable[str]) -> None:
+        """Remove our own attempts' files, unless a manifest of the step lists them (a commit
+        whose answer was lost). Another writer cannot commit our attempts, so no tombstone is
+        needed. Failures are logged: ``gc`` removes what is left."""
+        doomed = set(attempts)
+        try:
+            with contextlib.suppress(NotFoundError):
+                doomed -= {f.attempt for f in self.catalog.read_manifest(step).files}
+            paths = [
+                o.path
+                for o in self.backend.list(layout.step_dir(step) + "/")
+                if layout.parse_attempt_path(step, o.path) in doomed
+            ]
+            delete_attempt_files(self.backend, paths)
+        except CheckpointError as e:
+            log.warning("could not remove the files of uncommitted step %d (gc will): %s", step, e)
+
+    def discard_step(self, step: int) -> None:
+        """Remove every staged file of an uncommitted step, whoever staged it; the tombstone
+        stays (a committer of those attempts may be alive), and gc removes it. A failure is
+        logged, gc finishes."""
+        try:
+            self.abort_step(step)
+        except CheckpointError as e:
+            log.warning("could not clean up uncommitted step %d (gc will): %s", step, e)
+
+    def discard_save(self, step: int, save: str | None, attempts: Iterable[str] = ()) -> None:
+        """Remove the attempts of one coordinated save that will not be committed: those its
+        participants reported, and those whose marker names ``save`` (a participant that
+        failed half-way); never another writer's, a new lease holder saving the same step
+        included. Nobody else commits these attempts, so the tombstone goes at once. A
+        failure is logged, gc finishes."""
+        try:
+            doomed = set(attempts) | self._attempts_of(step, save)
+            if doomed:
+                self.abort_step(step, doomed, keep_tombstone=False)
+        except CheckpointError as e:
+            log.warning("could not clean up uncommitted step %d (gc will): %s", step, e)
+
+    def _attempts_of(self, step: int, save: str | None) -> set[str]:
+        """The attempts of ``step`` whose marker names ``save`` (one GET per attempt)."""
+        if save is None:
+            return set()
+        found = set()
+        for attempt in {
+            a
+            for o in self.backend.list(layout.step_dir(step) + "/")
+            if (a := layout.parse_attempt_path(step, o.path)) is not None
+        }:
+            try:
+                marker = json.loads(self.backend.read(layout.attempt_marker_path(step, attempt)))
+            except (CheckpointError, ValueError):
+                continue  # no marker (yet), or unreadable: gc judges it
+            if isinstance(marker, dict) and marker.get("save") == save:
+                found.add(attempt)
+        return found
+
+    def abort_step(
+        self, step: int, attempts: set[str] | None = None, *, keep_tombstone: bool = True
+    ) -> list[str] | None:
+        """Remove the files of the step's uncommitted attempts (all of those present now, or
+        only ``attempts``); returns what was deleted, or ``None`` if the step is committed.
+
+        The attempts are chosen first, then the step's manifest key is claimed with a fresh
+        tombstone, then their files are deleted. A committer of a chosen attempt began before
+        the claim, so its create-only (or compare-and-swap) commit fails: no file is ever
+        deleted from under a step being committed. Files outside attempts are never touched.
+        ``keep_tombstone=False`` (a coordinator discarding its own ranks' attempts, which it
+        will not commit) removes the tombstone at the end; ``gc``, which removes attempts of
+        writers it does not know, keeps it, as :meth:`claim` explains.
+        """
+        prefix = layout.step_dir(step) + "/"
+        if attempts is None:
+            attempts = {
+                a
+                for o in self.backend.list(prefix)
+                if (a := layout.parse_attempt_path(step, o.path)) is not None
+            }
+        if not self.claim(step, attempts):
+            return None
+        doomed = [
+            o.path
+            for o in self.backend.list(prefix)
+            if layout.parse_attempt_path(step, o.path) in attempts
+        ]
+        delete_attempt_files(self.backend, doomed)
+        if not keep_tombstone:
+            self.drop_tombstone(step)
+        return doomed
+
+    def claim(self, step: int, attempts: Iterable[str]) -> bool:
+        """Put a fresh tombstone naming ``attempts`` at an uncommitted step's manifest key
+        (create-only, or by compare-and-swap over an older tombstone); False if a manifest is
+        there. A committer may commit over a tombstone that names none of its attempts, by
+        compare-and-swap against the version it read, so a newer claim always wins.
+
+        Tombstones are not deleted right away: a committer that saw the key empty before a
+        remover's tombstone could otherwise commit after the remover deleted both its files and
+        the tombstone. ``gc`` removes a tombstone once it is a day old.
+        """
+        path = layout.manifest_path(step)
+        tombstone = encode_tombstone(self.writer, self.clock(), attempts)
+        for _ in range(3):
+            try:
+                self.backend.create(path, tombstone)
+                return True
+            except ObjectExistsError:
+                pass
+            try:
+                held, version = self.backend.read_versioned(path)
+            except NotFoundError:
+                continue
+            if not is_tombstone(held):
+                return False
+            if tombstone_dropping(held) is not None and self.outwait_drop(path, version):
+                continue  # gone: create it
+            try:
+                self.backend.swap(path, tombstone, version)
+                return True
+            except PreconditionFailedError:
+                continue
+        return False
+
+    def drop_tombstone(self, step: int) -> bool:
+        """Delete the step's tombstone, unless a manifest replaced it, in two phases (module
+        docstring); False if it is left standing (marking or deleting took past the window:
+        the next prune or gc drops it). A tombstone another remover is dropping is marked
+        afresh: whoever waits on the old mark sees it change and looks again."""
+        path = layout.manifest_path(step)
+        try:
+            held, version = self.backend.read_versioned(path)
+        except NotFoundError:
+            return True
+        if not is_tombstone(held):
+            return True
+        started = self.monotonic()
+        try:
+            self._swap(path, dropping_tombstone(held, self.writer, self.clock()), version)
+        except PreconditionFailedError:
+            return True  # a commit over it, or a newer claim: not ours to drop any more
+        left = max(0.0, DROP_WINDOW - (self.monotonic() - started))
+        try:
+            with bounded(Deadline.after(left, clock=self.monotonic)):
+                deadline.check(self.catalog.uri(path), doing="delete")
+                self.backend.delete([path])
+        except DeadlineExceededError as e:
+            log.warning(
+                "%s: left the tombstone of step %d for the next gc: %s", self.backend.uri, step, e
+            )
+            return False
+        return True
+
+    def outwait_drop(self, path: str, version: str) -> bool:
+        """Wait for a dropping tombstone (at ``version``) to be deleted; True once the key is
+        gone or holds something else (look again), False once it stood unchanged past the
+        dropper's window: its dropper deletes it no more, so it may be swapped over."""
+        until = self.monotonic() + DROP_WINDOW + DROP_MARGIN
+        pause = 0.05
+        while self.monotonic() < until:
+            self.sleep(pause)
+            pause = min(pause * 2, 1.0)
+            try:
+                _, now = self.backend.read_versioned(path)
+            except NotFoundError:
+                return True
+            if now != version:
+                return True
+        return False
+
+
+def delete_attempt_files(backend: Backend, paths: Iterable[str]) -> None:
+    """Delete attempt files, markers last, so an interrupted delete leaves a recognisable
+    attempt (marker present) rather than anonymous files, and one that ``gc``'s listing tells
+    from a committed attempt without reading the manifest (its marker alone; garbage.py)."""
+    paths = list(paths)
+    markers = [p for p in paths if p.endswith("/" + layout.ATTEMPT_MARKER)]
+    backend.delete([p for p in paths if p not in markers])
+    backend.delete(markers)
