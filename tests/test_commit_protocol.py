@@ -1,4 +1,4 @@
-"""The commit protocol's invariants (DESIGN.md), each with a test that fails if it breaks.
+"""The commit protocol's invariants (docs/design.md), each with a test that fails if it breaks.
 
 Every test runs against each real backend (local disk, memory://, S3 on a moto server over
 HTTP); the fault-injection tests wrap a real backend in :class:`faults.FaultyBackend`.

@@ -1,4 +1,4 @@
-"""The deadline belongs to the core (design.md, invariant 15): the coordinated save sets it
+"""The deadline belongs to the core (docs/design.md, invariant 15): the coordinated save sets it
 when it begins and every phase and participant runs by it, whichever face drives the save;
 the resolver sets a load's; and a step whose manifest is written is reported committed even
 when the pointer cannot be moved after it."""

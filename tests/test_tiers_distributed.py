@@ -2,7 +2,7 @@
 in front of one bucket (moto over HTTP). Every node commits each step in its local tier, due
 steps reach the bucket from every node's share, and a node that lost its local tier resumes
 from its peer's copies (``replicas=1``) without reading a payload byte from the bucket, or,
-with no peer copy, from the newest durable step (design.md, invariant 17)."""
+with no peer copy, from the newest durable step (docs/design.md, invariant 17)."""
 
 from __future__ import annotations
 

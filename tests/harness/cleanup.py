@@ -1,4 +1,4 @@
-"""What must be left once removals and gc have run (DESIGN.md 10), checked after a run.
+"""What must be left once removals and gc have run (docs/design.md, invariant 10).
 
 Both checks look at the run's outcome, and only where the claim they check applies:
 

@@ -1,18 +1,17 @@
-"""The commit protocol's invariants (DESIGN.md), checked after every operation of a run.
+"""The commit protocol's invariants (docs/design.md), checked after every operation of a run.
 
 The checker reads the in-memory backend's own objects and each operation's recorded effects,
 never the store's view of them: a bug in the store's reading code must not hide a bug in its
 writing code. It knows the layout (manifest keys, ``latest.json``, pins, the lease) and decodes
-manifests with the real :class:`~ckptstore.domain.manifest.Manifest`;
-anything at a manifest key that
-does not decode as a manifest (a tombstone, for instance) is *not* a committed step.
+manifests with the real :class:`~ckptstore.domain.manifest.Manifest`; anything at a manifest
+key that does not decode as a manifest (a tombstone, for instance) is *not* a committed step.
 
 Actors have roles, which say what they may delete: a ``writer`` deletes no committed step
 (except one that a fenced writer committed, which the protocol removes), a ``pruner`` (also a
 writer that applies retention after its save) deletes only steps below ``latest`` and not
 pinned, ``gc`` deletes no committed step and none of its files; ``setup`` is not judged.
 
-A store with a local tier (tiers.py) has two backends: each has its checker (the local tier
+A store with a local tier (tiers/local.py) has two backends: each has its checker (the local tier
 follows the same protocol; there every writer prunes), which judges only its own backend's
 calls, and :func:`check_tiers` judges the two together at the end of a run.
 """

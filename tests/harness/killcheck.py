@@ -3,7 +3,7 @@
 The checker opens new CheckpointStore objects (no state carried over from the killed writer)
 and looks twice: through the store (``latest``, ``list``, ``load``), and underneath it, at every
 file or object and every unfinished multipart upload, straight from the disk or the S3 server,
-so a stray the store's own listings hide still counts. Rules, from DESIGN.md's invariants:
+so a stray the store's own listings hide still counts. Rules, from docs/design.md's invariants:
 
 * ``latest`` resolves to a committed step that loads, verifies and holds what was saved; it is
   at least every step the saver recorded as committed, and never behind the previous check's;

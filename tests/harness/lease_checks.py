@@ -1,4 +1,4 @@
-"""The writer lease's invariants (DESIGN.md 13), judged from each write of ``lease.json``.
+"""The writer lease's invariants (docs/design.md, invariant 13), from each write of lease.json.
 
 A record is only ever replaced by its own holder under the same epoch (a renewal, a release),
 or by a new holder under a higher epoch (an acquisition, a takeover). A holder whose record was
