@@ -207,11 +207,13 @@ def test_a_part_stalled_for_good_fails_by_the_deadline_and_leaves_no_upload(
 ) -> None:
     stall = proxy.add_fault(Fault.stall(operations={"UploadPart"}, glob="*/big"))
     started = time.monotonic()
-    with pytest.raises(SaveTimeoutError) as caught, bounded(Deadline.after(2, rank=5)):
+    # 4 s: room, on a loaded machine, to send a part and see it stall (stall_timeout 0.5 s),
+    # so that the error can name the stall
+    with pytest.raises(SaveTimeoutError) as caught, bounded(Deadline.after(4, rank=5)):
         backend.write("big", [os.urandom(11 * MiB)])
-    assert time.monotonic() - started < 2 + MARGIN
+    assert time.monotonic() - started < 4 + MARGIN
     e = caught.value
-    assert (e.rank, e.path, e.uri, e.timeout) == (5, "big", f"{s3_uri}/big", 2)
+    assert (e.rank, e.path, e.uri, e.timeout) == (5, "big", f"{s3_uri}/big", 4)
     assert e.upload_id and e.upload_id in str(e) and f"{s3_uri}/big" in str(e)
     assert e.bytes_done == 0 and "rank 5" in str(e)
     assert e.last_error is not None and "UploadPart" in e.last_error and "stall" in e.last_error
