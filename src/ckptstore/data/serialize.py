@@ -6,10 +6,14 @@ tensors by name. Neither format can execute code on load, which matters because 
 bucket must not become code execution on the machines that resume from it.
 
 The safetensors bytes are produced part by part (header, then each tensor's own memory), so a
-shard streams into storage without a whole-file copy in memory. Tensors are laid out by
-descending element size, so every tensor starts at an offset aligned to its element size and
-loads as a zero-copy view of the bytes read. Tensors that share memory (tied weights) are
-stored once and come back as one tensor object.
+shard streams into storage, its CRC32C computed as the bytes pass, without a whole-file copy in
+memory: that is why the header is built here (safetensors_header.py) rather than by
+``safetensors.torch.save``, which returns the whole file as one ``bytes``. Reading back, the
+library judges each shard's header, so a file it rejects is rejected here too.
+
+Tensors are laid out by descending element size, so every tensor starts at an offset aligned to
+its element size and loads as a zero-copy view of the bytes read. Tensors that share memory
+(tied weights) are stored once and come back as one tensor object.
 
 Anything else in a state is an error at save time, naming where it sits. Callers who accept
 the risk can pass ``allow_pickle=True`` to keep such objects in a separate pickle file, which
@@ -28,7 +32,6 @@ import io
 import json
 import math
 import re
-import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from ckptstore.backends.base import Chunk
+from ckptstore.data import safetensors_header
 from ckptstore.data.payload import SourceFile
 from ckptstore.domain.layout import DEFAULT_SHARD_SIZE
 from ckptstore.domain.state_selection import (
@@ -58,29 +62,6 @@ SHARD_PATTERN = "{}-{:05d}.safetensors"
 DEFAULT_GROUP = "tensors"
 FORMAT = "ckptstore-state-1"
 
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-}
-for _name, _code in (
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-):
-    if hasattr(torch, _name):
-        _DTYPES[getattr(torch, _name)] = _code
-_CODES = {code: dtype for dtype, code in _DTYPES.items()}
 _SUPPORTED = "tensors, dict, list, tuple, str, int, float, bool and None"
 
 
@@ -96,19 +77,8 @@ class Shard:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def header(self) -> bytes:
-        entries: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
-        offset = 0
-        for name, tensor in self.tensors.items():
-            end = offset + tensor.numel() * tensor.element_size()
-            entries[name] = {
-                "dtype": _DTYPES[tensor.dtype],
-                "shape": list(tensor.shape),
-                "data_offsets": [offset, end],
-            }
-            offset = end
-        body = json.dumps(entries, separators=(",", ":")).encode()
-        body += b" " * (-len(body) % 8)  # keep the data section 8-byte aligned
-        return struct.pack("<Q", len(body)) + body
+        specs = ((name, t.dtype, t.shape) for name, t in self.tensors.items())
+        return safetensors_header.build(specs, {"format": FORMAT})
 
     @property
     def size(self) -> int:
@@ -250,7 +220,7 @@ class _Encoder:
             )
         if tensor.device.type == "meta":
             raise SerializationError(f"{where}: a tensor on the meta device holds no data")
-        if tensor.dtype not in _DTYPES:
+        if tensor.dtype not in safetensors_header.DTYPES:
             raise SerializationError(f"{where}: tensors of dtype {tensor.dtype} are not supported")
         key = (
             tensor.device,
@@ -303,31 +273,18 @@ def _group_name(key: object) -> str:
 
 
 def decode_shard(data: bytearray | memoryview, where: str) -> dict[str, torch.Tensor]:
-    """Tensors of one safetensors file, as views of ``data`` (no copy)."""
-    try:
-        (header_len,) = struct.unpack_from("<Q", data, 0)
-        if header_len > len(data) - 8:
-            raise ValueError(f"header length {header_len} exceeds the file size {len(data)}")
-        header = json.loads(bytes(data[8 : 8 + header_len]))
-        start = 8 + header_len
-        tensors = {}
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _CODES[entry["dtype"]]
-            begin, end = (start + int(o) for o in entry["data_offsets"])
-            shape = [int(d) for d in entry["shape"]]
-            count = math.prod(shape)
-            if end > len(data) or end - begin != count * dtype.itemsize:
-                raise ValueError(f"tensor {name!r} lies outside the file or has a wrong size")
-            if count == 0:
-                tensors[name] = torch.empty(shape, dtype=dtype)
-            else:
-                flat = torch.frombuffer(data, dtype=dtype, count=count, offset=begin)
-                tensors[name] = flat.reshape(shape)
-        return tensors
-    except (ValueError, KeyError, TypeError, struct.error, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{where}: not a valid safetensors file ({e})") from e
+    """Tensors of one safetensors file, as views of ``data`` (no copy), once the safetensors
+    library accepts its header (safetensors_header.parse)."""
+    header = safetensors_header.parse(data, len(data), where)
+    tensors = {}
+    for name, entry in header.tensors.items():
+        count = math.prod(entry.shape)
+        if count == 0:
+            tensors[name] = torch.empty(entry.shape, dtype=entry.dtype)
+        else:
+            flat = torch.frombuffer(data, dtype=entry.dtype, count=count, offset=entry.begin)
+            tensors[name] = flat.reshape(entry.shape)
+    return tensors
 
 
 def decode_state(

@@ -3,7 +3,8 @@
 serialize.py writes every tensor into safetensors files and the structure into ``state.json``,
 which names each tensor; a tensor saved under two names (tied weights) is stored once and named
 twice, so aliases come for free. A shard's header (its first 8 bytes say how long it is) gives
-each tensor's byte range: two small reads per shard, then each tensor read where it lies.
+each tensor's byte range (once the safetensors library accepts it, safetensors_header.py): two
+small reads per shard, then each tensor read where it lies.
 
 The exported part is the state's ``model`` entry, or the whole state when it is a flat dict of
 tensors (``store.save(step, model.state_dict())``).
@@ -11,14 +12,12 @@ tensors (``store.save(step, model.state_dict())``).
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 from collections.abc import Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptstore.data.serialize import _CODES, FORMAT, SKELETON_FILE
+from ckptstore.data import safetensors_header
+from ckptstore.data.serialize import FORMAT, SKELETON_FILE
 from ckptstore.errors import ConfigError, CorruptCheckpointError
 from ckptstore.export.found import Found, hf_files, json_object
 from ckptstore.export.plan import Piece, SourceTensor
@@ -58,13 +57,13 @@ def find_native(source: StepSource) -> Found:
     names_of: dict[str, list[str]] = {}
     for name, ref in refs.items():
         path = _shard(shard_of, ref, where)
-        start, entry = headers[path]
-        if ref not in entry:
+        entry = headers[path].tensors.get(ref)
+        if entry is None:
             raise CorruptCheckpointError(f"{source.where(path)} does not hold tensor {ref}")
-        dtype, shape, begin, end = entry[ref]
+        begin, end, shape = entry.begin, entry.end, entry.shape
         offsets = tuple(0 for _ in shape)
-        pieces = (Piece(path, start + begin, end - begin, offsets, shape),) if end > begin else ()
-        tensor = SourceTensor(name, dtype, shape, pieces, where=source.where(path))
+        pieces = (Piece(path, begin, end - begin, offsets, shape),) if end > begin else ()
+        tensor = SourceTensor(name, entry.dtype, shape, pieces, where=source.where(path))
         tensor.check()
         found.tensors.append(tensor)
         names_of.setdefault(ref, []).append(name)
@@ -93,29 +92,12 @@ def _shard(shard_of: dict[str, str], ref: str, where: str) -> str:
         raise CorruptCheckpointError(f"{where}: tensor {ref} is in no shard") from None
 
 
-def _header(
-    source: StepSource, path: str
-) -> tuple[int, dict[str, tuple[Any, tuple[int, ...], int, int]]]:
-    """``(data start, {tensor: (dtype, shape, begin, end)})`` of a safetensors shard."""
-    where = source.where(path)
-    try:
-        (length,) = struct.unpack("<Q", source.read(path, 0, 8))
-        if length > source.size(path) - 8:
-            raise ValueError(f"header length {length} exceeds the file")
-        header = json.loads(source.read(path, 8, 8 + length))
-        tensors = {}
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _CODES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-            if end - begin != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"tensor {name} has {end - begin} bytes for {shape}")
-            tensors[name] = (dtype, shape, begin, end)
-    except (ValueError, KeyError, TypeError, struct.error) as e:
-        raise CorruptCheckpointError(f"{where}: not a valid safetensors file ({e})") from e
-    return 8 + length, tensors
+def _header(source: StepSource, path: str) -> safetensors_header.Header:
+    """A shard's header, accepted by the safetensors library: two small reads."""
+    where, size = source.where(path), source.size(path)
+    first = source.read(path, 0, 8)
+    length = safetensors_header.header_length(first, size, where)
+    return safetensors_header.parse(first + source.read(path, 8, 8 + length), size, where)
 
 
 __all__ = ["MODEL_KEY", "find_native", "is_native"]

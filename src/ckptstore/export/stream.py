@@ -10,6 +10,10 @@ at most the largest such tensor, within the largest output shard. The reads of c
 tensors go through one ChunkReader, so the next tensor's bytes are on their way while the last
 one's are written.
 
+The library's ``safetensors.torch.save`` would need every tensor of the file in memory at once;
+this writer needs at most one, so it writes the header itself (safetensors_header.build, the one
+builder, shared with the checkpoint shards) and the library reads what it wrote in the tests.
+
 Replicated copies are read too (the file check needs their bytes anyway) and must hash like
 the copy that was written; a DCP item's archive header must be the one its layout implies.
 """
@@ -18,18 +22,15 @@ from __future__ import annotations
 
 import abc
 import hashlib
-import json
-import struct
 import warnings
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from ckptstore.backends.base import Chunk
-from ckptstore.data.serialize import _DTYPES
+from ckptstore.data import safetensors_header
 from ckptstore.domain.checksum import Crc32c
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.export.plan import Merged, OutTensor, Piece, SourceTensor
@@ -39,19 +40,9 @@ Span = tuple[str, int, int]
 
 
 def header(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> bytes:
-    """The safetensors header: tensors laid out in order, 8-byte aligned data."""
-    entries: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
-    for tensor in tensors:
-        entries[tensor.name] = {
-            "dtype": _DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + tensor.nbytes],
-        }
-        offset += tensor.nbytes
-    body = json.dumps(entries, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
-    return struct.pack("<Q", len(body)) + body
+    """The safetensors header of an export file: tensors laid out in order."""
+    specs = ((t.name, t.dtype, t.shape) for t in tensors)
+    return safetensors_header.build(specs, {"format": "pt", **(metadata or {})})
 
 
 @dataclass
