@@ -22,7 +22,6 @@ from botocore.exceptions import (
 
 from ckptstore.backends.fsspec import FsspecBackend
 from ckptstore.backends.local import LocalBackend
-from ckptstore.backends.s3_backoff import MIN_RATE, Backoff
 from ckptstore.backends.s3_progress import (
     MIN_PROGRESS,
     Cancelled,
@@ -32,7 +31,8 @@ from ckptstore.backends.s3_progress import (
     ProgressBody,
     Stalled,
 )
-from ckptstore.backends.s3_retry import Kind, Retrier, classify
+from ckptstore.backends.s3_rate import MIN_RATE, SendRate
+from ckptstore.backends.s3_retry import BACKOFF, Kind, Retrier, classify
 from ckptstore.deadline import Deadline, bounded, current_deadline, submit
 from ckptstore.errors import (
     CheckpointError,
@@ -40,6 +40,7 @@ from ckptstore.errors import (
     LoadTimeoutError,
     SaveTimeoutError,
 )
+from ckptstore.retry import Backoff
 
 
 class Clock:
@@ -116,45 +117,44 @@ def test_bounded_sets_and_restores_the_deadline_and_submit_carries_it_to_a_pool(
     assert current_deadline() is None
 
 
-# -- the shared backoff --------------------------------------------------------------------------
+# -- the shared send rate ------------------------------------------------------------------------
 
 
 def test_the_shared_rate_falls_once_per_round_and_spaces_requests() -> None:
     clock = Clock()
-    backoff = Backoff(clock=clock)
+    rate = SendRate(clock=clock)
     for _ in range(40):  # 40 requests in the last second, unthrottled
-        assert backoff.delay() == 0.0
-    round_ = backoff.round()
+        assert rate.delay() == 0.0
+    round_ = rate.round()
     for _ in range(64):  # 64 threads answered SlowDown at once: one decision
-        backoff.throttled(round_)
-    assert backoff.rate == 20 and backoff.lowered == 1 and backoff.answered
-    assert backoff.delay() == pytest.approx(1 / 20)  # the last request went out just now
+        rate.throttled(round_)
+    assert rate.rate == 20 and rate.lowered == 1 and rate.answered
+    assert rate.delay() == pytest.approx(1 / 20)  # the last request went out just now
     clock.now += 1 / 20
-    assert backoff.delay() == 0.0  # its turn
-    backoff.throttled(backoff.round())  # news: a request sent after the rate fell
-    assert backoff.rate == 10
+    assert rate.delay() == 0.0  # its turn
+    rate.throttled(rate.round())  # news: a request sent after the rate fell
+    assert rate.rate == 10
     for _ in range(20):
-        backoff.throttled(backoff.round())
-    assert backoff.rate == MIN_RATE  # a floor: a brownout does not stop the endpoint
+        rate.throttled(rate.round())
+    assert rate.rate == MIN_RATE  # a floor: a brownout does not stop the endpoint
 
 
 def test_successes_raise_the_shared_rate_until_the_limit_is_lifted() -> None:
     clock = Clock()
-    backoff = Backoff(clock=clock)
-    backoff.delay()
-    backoff.throttled(backoff.round())
-    assert backoff.rate == MIN_RATE
+    rate = SendRate(clock=clock)
+    rate.delay()
+    rate.throttled(rate.round())
+    assert rate.rate == MIN_RATE
     clock.now += 0.5
-    backoff.succeeded()
-    assert backoff.rate == pytest.approx(2 * MIN_RATE)  # fourfold per second
+    rate.succeeded()
+    assert rate.rate == pytest.approx(2 * MIN_RATE)  # fourfold per second
     clock.now += 2  # nothing was sent for seconds: the limit is far above the demand
-    backoff.succeeded()
-    assert backoff.rate is None and backoff.delay() == 0.0
+    rate.succeeded()
+    assert rate.rate is None and rate.delay() == 0.0
 
 
 def test_a_request_backs_off_on_its_own_with_full_jitter() -> None:
-    backoff = Backoff()
-    waits = [backoff.alone(n) for n in (1, 3, 12) for _ in range(200)]
+    waits = [BACKOFF.delay(n - 1) for n in (1, 3, 12) for _ in range(200)]
     assert all(0 <= w <= 5.0 for w in waits)
     assert max(waits[:200]) <= 0.1 and max(waits[400:]) > 1.0
 
@@ -242,6 +242,10 @@ def test_failures_are_classified_by_type_code_and_status(error: Exception, kind:
     assert classify(error) is kind
 
 
+FAST = Backoff(base=0.002, cap=5.0)
+"""Waits a fiftieth of the backend's."""
+
+
 @pytest.mark.wallclock
 def test_retries_are_budgeted_by_time_not_by_count() -> None:
     calls: list[float] = []
@@ -250,13 +254,13 @@ def test_retries_are_budgeted_by_time_not_by_count() -> None:
         calls.append(time.monotonic())
         raise client_error("InternalError", 500)
 
-    retrier = Retrier(Backoff(base=0.001), retry_timeout=0.3)
+    retrier = Retrier(SendRate(), retry_timeout=0.3, backoff=FAST)
     started = time.monotonic()
     with pytest.raises(ClientError):
         retrier.call("PutObject", slow_down, Progress("s3://b/k", "write"))
     assert time.monotonic() - started < 2  # no wait would have ended past the budget
     assert len(calls) > 5  # more than botocore's count would have allowed
-    capped = Retrier(Backoff(base=0.001), retry_timeout=60, max_attempts=3)
+    capped = Retrier(SendRate(), retry_timeout=60, max_attempts=3, backoff=FAST)
     calls.clear()
     with pytest.raises(ClientError):
         capped.call("PutObject", slow_down, Progress("s3://b/k", "write"))
@@ -268,7 +272,7 @@ def test_under_a_deadline_the_retry_loop_raises_its_error_naming_the_last_failur
     def slow_down() -> None:
         raise client_error("SlowDown", 503)
 
-    retrier = Retrier(Backoff(base=0.01), retry_timeout=300)
+    retrier = Retrier(SendRate(), retry_timeout=300, backoff=Backoff(0.02, 5.0))
     started = time.monotonic()
     with pytest.raises(SaveTimeoutError) as caught, bounded(Deadline.after(0.5, rank=2)):
         retrier.call("PutObject", slow_down, Progress("s3://b/run/k", "write"))
@@ -285,7 +289,7 @@ def test_an_attempt_blocked_past_the_deadline_is_abandoned_and_cancelled() -> No
     def blocked() -> None:
         progress.token.sleep(30)  # a request stuck in a socket call, until cancelled
 
-    retrier = Retrier(Backoff(), retry_timeout=300)
+    retrier = Retrier(SendRate(), retry_timeout=300)
     started = time.monotonic()
     with pytest.raises(SaveTimeoutError), bounded(Deadline.after(0.3)):
         retrier.call("PutObject", blocked, progress)

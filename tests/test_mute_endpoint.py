@@ -28,12 +28,13 @@ from botocore.exceptions import ReadTimeoutError
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.s3 import S3Backend
-from ckptstore.backends.s3_backoff import Backoff
 from ckptstore.backends.s3_errors import NoAnswer
 from ckptstore.backends.s3_progress import Progress
+from ckptstore.backends.s3_rate import SendRate
 from ckptstore.backends.s3_retry import Retrier
 from ckptstore.cli.main import run
 from ckptstore.errors import BackendError, ConfigError
+from ckptstore.retry import Backoff
 
 pytestmark = [pytest.mark.wallclock, pytest.mark.usefixtures("aws_env")]  # dummy credentials
 
@@ -199,12 +200,16 @@ def test_the_command_exits_at_once_though_its_request_still_waits(mute: Mute) ->
 # -- the rule, on the retry loop ----------------------------------------------------------------
 
 
+FAST = Backoff(base=0.002, cap=5.0)
+"""Waits a fiftieth of the backend's."""
+
+
 def silent() -> None:
     raise ReadTimeoutError(endpoint_url="http://x")
 
 
 def test_silence_from_an_endpoint_that_never_answered_ends_at_first_byte_timeout() -> None:
-    retrier = Retrier(Backoff(base=0.001), retry_timeout=300, first_byte_timeout=0.5)
+    retrier = Retrier(SendRate(), retry_timeout=300, backoff=FAST, first_byte_timeout=0.5)
     started = time.monotonic()
     with pytest.raises(NoAnswer) as caught:
         retrier.call("ListObjectsV2", silent, Progress("s3://b/run/", "list"))
@@ -216,9 +221,11 @@ def test_silence_from_an_endpoint_that_never_answered_ends_at_first_byte_timeout
 
 def test_silence_from_an_endpoint_that_answered_before_is_a_brownout() -> None:
     """Retried for retry_timeout, however short first_byte_timeout is."""
-    backoff = Backoff(base=0.001, rng=random.Random(1))
-    backoff.answered = True
-    retrier = Retrier(backoff, retry_timeout=2.0, first_byte_timeout=0.1)
+    rate = SendRate()
+    rate.answered = True
+    retrier = Retrier(
+        rate, retry_timeout=2.0, backoff=FAST, first_byte_timeout=0.1, rng=random.Random(1)
+    )
     calls: list[float] = []
 
     def stalls() -> None:
@@ -237,7 +244,7 @@ def test_an_attempt_blocked_on_a_silent_endpoint_is_given_up_and_cancelled() -> 
     def blocked() -> None:
         progress.token.sleep(30)  # a request stuck in a socket call, until cancelled
 
-    retrier = Retrier(Backoff(), retry_timeout=300, first_byte_timeout=0.3, connect_timeout=0.1)
+    retrier = Retrier(SendRate(), retry_timeout=300, first_byte_timeout=0.3, connect_timeout=0.1)
     started = time.monotonic()
     with pytest.raises(NoAnswer) as caught:
         retrier.call("GetObject", blocked, progress)
@@ -257,7 +264,7 @@ def test_an_attempt_that_moves_bytes_is_not_held_to_first_byte_timeout() -> None
             progress.add(64 << 10)
         return "done"
 
-    retrier = Retrier(Backoff(), retry_timeout=300, first_byte_timeout=0.3)
+    retrier = Retrier(SendRate(), retry_timeout=300, first_byte_timeout=0.3)
     assert retrier.call("PutObject", uploading, progress) == "done"
     retrier.close()
 
@@ -271,8 +278,8 @@ def test_first_byte_timeout_is_validated() -> None:
 def test_any_answer_marks_the_endpoint_answered(s3_uri: str, s3_options: dict[str, object]) -> None:
     """A 404 is an answer: from then on the endpoint's requests follow the usual rules."""
     backend = S3Backend(s3_uri, s3_options)
-    backoff = backend._transfers.retrier.backoff  # shared by the process's backends of the bucket
-    backoff.answered = False
+    rate = backend._transfers.retrier.rate  # shared by the process's backends of the bucket
+    rate.answered = False
     assert backend.stat("nothing-here") is None
-    assert backoff.answered
+    assert rate.answered
     backend.close()

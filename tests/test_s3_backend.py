@@ -163,7 +163,7 @@ def test_accepted_option_spellings(s3_endpoint: str) -> None:
     )
     config = b._client.meta.config
     assert config.retries == {"mode": "standard", "total_max_attempts": 1}  # ours retry
-    assert b._transfers.retrier.max_attempts == 2
+    assert b._transfers.retrier.policy.attempts == 2
     assert config.read_timeout == 30
     assert config.s3 == {"addressing_style": "path", "payload_signing_enabled": False}
     assert b._client.meta.region_name == "eu-west-1"

@@ -269,7 +269,7 @@ def _config(uri: str, opts: dict[str, Any], concurrency: int, stall: float) -> C
     """Our defaults (retries, timeouts, pool size), then the user's ``config_kwargs`` on top.
 
     botocore does not retry (one attempt): retries live in one place, :mod:`.s3_retry`, which
-    budgets them by time, shares its backoff between the threads of a process and never waits
+    budgets them by time, shares a send rate between the threads of a process and never waits
     past a deadline. Its socket timeouts are the stall timeout, so no single read or write on
     a socket blocks longer than that (a trickle is the watchdog's: :mod:`.s3_progress`)."""
     s3: dict[str, Any] = {}

@@ -19,16 +19,17 @@ included, then :class:`~.s3_errors.NoAnswer` (a BackendError that is not retryab
 endpoint and the option). While the endpoint has not answered, each attempt runs on a daemon
 thread and is waited for no longer than that, whatever the socket timeouts (``stall_timeout``,
 60 s): a mute endpoint cannot hold a command for minutes, nor its exit for a socket timeout. Once
-the endpoint answered anything (any HTTP status: ``answered`` in :mod:`.s3_backoff`, marked as
+the endpoint answered anything (any HTTP status: ``answered`` in :mod:`.s3_rate`, marked as
 soon as an answer's headers arrive), the rules above apply: a server that answered before and
 stalls now is a brownout, retried for ``retry_timeout``. An attempt that moves bytes (a large
 upload's body) is not silent either, and is no longer held to ``first_byte_timeout``.
 
-Why one backoff per endpoint (and bucket), shared by every thread and backend of the process:
+Why one send rate per endpoint (and bucket), shared by every thread and backend of the process:
 SlowDown is about the rate the server sees, not one request's luck. If 64 threads each back off
 on their own for a short jittered while, they keep hitting the limit together. Here every failed
-attempt backs off, exponentially with full jitter, and a throttling answer (503 SlowDown, 429)
-also lowers one send rate for the endpoint's bucket (:mod:`.s3_backoff`: a client-side rate limit
+attempt backs off by the package's policy (:mod:`ckptstore.retry`: exponential, full jitter, its
+waits never past the deadline; :data:`BACKOFF`), and a throttling answer (503 SlowDown, 429)
+also lowers one send rate for the endpoint's bucket (:mod:`.s3_rate`: a client-side rate limit
 like botocore's ``adaptive`` mode, but shared by every client of the process and bounded by the
 deadline). It halves once per round of throttling, however many threads were answered SlowDown;
 requests go out no faster than that rate, spaced rather than in bursts; successes raise it
@@ -40,9 +41,9 @@ time its deadline leaves: it gets its attempt.
 Why a helper thread per attempt under a deadline: a request blocked in a socket call ends only
 when that call times out (``stall_timeout``). With a deadline in force, a caller's attempt runs
 on a helper thread and the caller waits no longer than the deadline; if it passes, the attempt
-is cancelled (it stops at its next block, :mod:`.s3_progress`) and the caller raises at once.
-Attempts already on the transfer pool (parts, ranged reads) run in place: whoever waits for
-them waits with the deadline.
+is cancelled (it stops at its next block, :mod:`.s3_progress`) and the caller raises at once
+(the threads: :mod:`.s3_helpers`). Attempts already on the transfer pool (parts, ranged reads)
+run in place: whoever waits for them waits with the deadline.
 
 Errors are classified by type, S3 error code and HTTP status, never by message text.
 """
@@ -50,10 +51,9 @@ Errors are classified by type, S3 error code and HTTP status, never by message t
 from __future__ import annotations
 
 import concurrent.futures
-import contextvars
 import enum
 import logging
-import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -73,11 +73,13 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 
-from ckptstore.backends.s3_backoff import Backoff
 from ckptstore.backends.s3_errors import NoAnswer, code_of, is_unsupported, status_of
+from ckptstore.backends.s3_helpers import Helpers, in_context, on_worker
 from ckptstore.backends.s3_options import DEFAULT_FIRST_BYTE_TIMEOUT
 from ckptstore.backends.s3_progress import Cancelled, Progress, Stalled, cause
+from ckptstore.backends.s3_rate import SendRate
 from ckptstore.deadline import Deadline, current_deadline
+from ckptstore.retry import Backoff, Retry, sleep_within
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,9 @@ TRANSIENT_CODES = frozenset(
 """Codes worth another attempt besides throttling and 5xx statuses (botocore's list). A
 checksum mismatch (BadDigest) is not: the probe sends a wrong CRC32C on purpose, and bytes that
 a part's own checksum refused are refused again."""
+BACKOFF = Backoff(base=0.1, cap=5.0)
+"""One request's own wait after each failure: up to 0.1 s after the first, doubling to 5 s
+(botocore's cap is 20 s), full jitter."""
 UNREACHED_ATTEMPTS = 3
 """Attempts for a request refused a connection by an endpoint that never answered."""
 FIRST_CONTACT_WAKE = 0.25
@@ -179,46 +184,37 @@ def _timed_out(e: BaseException, depth: int = 0) -> bool:
     return any(i is not None and _timed_out(i, depth + 1) for i in inner)
 
 
-_LOCAL = threading.local()
-
-
-def mark_worker() -> None:
-    """Thread initializer of the transfer and helper pools: attempts there run in place."""
-    _LOCAL.worker = True
-
-
-def on_worker() -> bool:
-    return bool(getattr(_LOCAL, "worker", False))
-
-
 class Retrier:
-    """Runs requests with retries; one per backend, sharing its endpoint's :class:`Backoff`."""
+    """Runs requests with retries; one per backend, sharing its endpoint's :class:`SendRate`."""
 
     def __init__(
         self,
-        backoff: Backoff,
+        rate: SendRate,
         *,
         retry_timeout: float,
         max_attempts: int | None = None,
+        backoff: Backoff = BACKOFF,
         first_byte_timeout: float = DEFAULT_FIRST_BYTE_TIMEOUT,
         connect_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
-        self.backoff = backoff
-        self.retry_timeout = retry_timeout
-        self.max_attempts = max_attempts
+        self.rate = rate
+        self.policy = Retry(backoff, attempts=max_attempts, budget=retry_timeout)
+        """Each request's own waits, tries and time budget (``retry_timeout``)."""
         self.first_byte_timeout = first_byte_timeout
         """Seconds a request to an endpoint that never answered may go without an answer."""
         self.connect_timeout = connect_timeout
         """The client's connect timeout, if known: an attempt silent for longer got connected."""
         self._clock = clock
+        self._rng = rng
         self._helpers: Helpers | None = None
         self._lock = threading.Lock()
 
     def heard(self, **_: Any) -> None:
         """An answer's status line and headers arrived (a botocore ``before-parse`` handler,
         which the backend registers on the client it owns): the endpoint answers."""
-        self.backoff.answered = True
+        self.rate.answered = True
 
     def close(self) -> None:
         with self._lock:
@@ -230,7 +226,8 @@ class Retrier:
         """``attempt()`` until it succeeds, fails for good, or time runs out.
 
         Raises the deadline's error (SaveTimeoutError, LoadTimeoutError) when the deadline in
-        force passes first, else the last error as botocore raised it (the backend translates).
+        force passes first, or at once when the wait before the next attempt would reach it;
+        else the last error as botocore raised it (the backend translates).
         """
         deadline = current_deadline()
         started = self._clock()
@@ -238,7 +235,7 @@ class Retrier:
         failed: Exception | None = None  # the last attempt's error
         while True:
             self._pace(deadline, progress)
-            round_ = self.backoff.round()
+            round_ = self.rate.round()
             try:
                 result = self._attempt(attempt, deadline, progress, (started, failed))
             except NoAnswer:
@@ -250,21 +247,21 @@ class Retrier:
                         raise progress.deadline_error(deadline) from e
                     raise
                 if isinstance(e, ClientError):
-                    self.backoff.answered = True  # any HTTP status is an answer
+                    self.rate.answered = True  # any HTTP status is an answer
                 if kind is Kind.FATAL:
                     if isinstance(e, ClientError):
-                        self.backoff.succeeded()  # the server answered, and not throttling
+                        self.rate.succeeded()  # the server answered, and not throttling
                     raise
                 failures += 1
                 failed = e
                 progress.last_error = describe(e, op)
                 if kind is Kind.THROTTLED:
-                    self.backoff.throttled(round_)
-                wait = self.backoff.alone(failures)
+                    self.rate.throttled(round_)
                 spent = self._clock() - started
-                if self._exhausted(e, kind, failures, spent + wait):
+                wait = self.policy.wait(failures, spent, self._rng)
+                if wait is None or self._unreached(e, kind, failures):
                     raise
-                if not self.backoff.answered and spent + wait >= self.first_byte_timeout:
+                if not self.rate.answered and spent + wait >= self.first_byte_timeout:
                     raise NoAnswer(
                         seconds=self.first_byte_timeout,
                         accepted=_accepted(e),
@@ -277,38 +274,30 @@ class Retrier:
                     progress.last_error,
                     wait,
                 )
-                self._sleep(wait, deadline, progress)
+                if (reached := sleep_within(wait, deadline, progress.token.sleep)) is not None:
+                    raise progress.deadline_error(reached) from e  # no retry could begin
                 continue
-            self.backoff.succeeded()
+            self.rate.succeeded()
             return result
 
     def _pace(self, deadline: Deadline | None, progress: Progress) -> None:
         """Wait for the endpoint's shared rate to let this request out; under a deadline, no
         longer than half what it leaves (the request gets its attempt)."""
-        while (wait := self.backoff.delay()) > 0:
+        while (wait := self.rate.delay()) > 0:
             if deadline is not None and wait >= deadline.remaining() / 2:
-                self._sleep(deadline.remaining() / 2, deadline, progress)
-                self.backoff.delay(force=True)
+                progress.token.sleep(deadline.remaining() / 2)
+                self.rate.delay(force=True)
                 return
-            self._sleep(wait, deadline, progress)
+            progress.token.sleep(wait)
         if deadline is not None and deadline.expired:
             raise progress.deadline_error(deadline)
         progress.token.sleep(0)  # raises if cancelled
 
-    def _exhausted(self, e: Exception, kind: Kind, failures: int, spent: float) -> bool:
-        if self.max_attempts is not None and failures >= self.max_attempts:
-            return True
+    def _unreached(self, e: Exception, kind: Kind, failures: int) -> bool:
+        """A connection refused :data:`UNREACHED_ATTEMPTS` times by an endpoint that never
+        answered: a configuration problem, not an outage."""
         refused = kind is Kind.UNREACHABLE and not isinstance(e, ConnectTimeoutError)
-        if refused and not self.backoff.answered:
-            return failures >= UNREACHED_ATTEMPTS
-        return spent > self.retry_timeout
-
-    def _sleep(self, seconds: float, deadline: Deadline | None, progress: Progress) -> None:
-        """Sleep, but not past the deadline (raising its error then) nor past a cancel."""
-        if deadline is not None and seconds >= deadline.remaining():
-            progress.token.sleep(deadline.remaining())
-            raise progress.deadline_error(deadline)
-        progress.token.sleep(seconds)
+        return refused and not self.rate.answered and failures >= UNREACHED_ATTEMPTS
 
     def _attempt(
         self,
@@ -318,11 +307,11 @@ class Retrier:
         request: tuple[float, Exception | None],
     ) -> T:
         """One attempt; ``request``: when the request began, and its last attempt's error."""
-        first = not self.backoff.answered
+        first = not self.rate.answered
         if not first and (deadline is None or on_worker()):
             return attempt()
         try:
-            future = self._helper_pool().submit(_in_context(attempt))
+            future = self._helper_pool().submit(in_context(attempt))
         except RuntimeError:  # no thread starts at interpreter shutdown: in place, then
             return attempt()
         return self._wait(future, deadline, progress, request if first else None)
@@ -355,7 +344,7 @@ class Retrier:
                 raise progress.deadline_error(deadline) from None
             if first is None:
                 continue
-            if self.backoff.answered or progress.bytes_done != moved:
+            if self.rate.answered or progress.bytes_done != moved:
                 first = None  # it answers, or takes our bytes: not a silent endpoint
             elif self._clock() - first[0] >= self.first_byte_timeout:
                 progress.token.cancel("no answer within first_byte_timeout")
@@ -372,81 +361,6 @@ class Retrier:
             if self._helpers is None:
                 self._helpers = Helpers(HELPERS, "ckptstore-s3-attempt")
             return self._helpers
-
-
-class Helpers:
-    """At most ``limit`` daemon threads that run attempts somebody waits for with a timeout
-    (a deadline, ``first_byte_timeout``); attempts beyond that wait their turn. Daemon threads,
-    unlike a ThreadPoolExecutor's (which the interpreter joins at exit): an attempt given up
-    while blocked in a socket call, until its socket timeout, keeps neither its caller nor the
-    process's exit (a Ctrl-C, a failed command) waiting."""
-
-    def __init__(self, limit: int, name: str) -> None:
-        self.limit, self.name = limit, name
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0
-        self._idle = 0  # threads waiting for a job that no submit counted on yet
-        self._closed = False
-
-    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Run ``fn`` on a helper; RuntimeError once closed, or where no thread can start (at
-        interpreter shutdown)."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the helpers are closed")
-            if self._idle:
-                self._idle -= 1
-            elif self._threads < self.limit:
-                thread = threading.Thread(target=self._work, name=self.name, daemon=True)
-                thread.start()  # RuntimeError at interpreter shutdown: nothing queued yet
-                self._threads += 1
-            self._queue.put(_Job(future, fn))
-        return future
-
-    def close(self) -> None:
-        """Stop the threads once their attempt ends; attempts not started are cancelled."""
-        with self._lock:
-            self._closed = True
-            while True:
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    job.future.cancel()
-            for _ in range(self._threads):
-                self._queue.put(None)
-
-    def _work(self) -> None:
-        mark_worker()
-        while (job := self._queue.get()) is not None:
-            job.run()
-            del job
-            with self._lock:
-                self._idle += 1
-
-
-def _in_context(fn: Callable[[], T]) -> Callable[[], T]:
-    """``fn`` to run in a copy of this context (its deadline) on another thread."""
-    context = contextvars.copy_context()
-    return lambda: context.run(fn)
-
-
-class _Job:
-    def __init__(self, future: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:
-        self.future, self.fn = future, fn
-
-    def run(self) -> None:
-        if not self.future.set_running_or_notify_cancel():
-            return
-        try:
-            result = self.fn()
-        except BaseException as e:  # the caller raises it, or nobody waits for it any more
-            self.future.set_exception(e)
-        else:
-            self.future.set_result(result)
 
 
 def _accepted(e: BaseException | None) -> bool | None:

@@ -35,8 +35,8 @@ import crc32c
 
 from ckptstore.backends import s3_download
 from ckptstore.backends.base import Chunk
-from ckptstore.backends.s3_backoff import Backoff, backoff_for
 from ckptstore.backends.s3_download import read_body_into
+from ckptstore.backends.s3_helpers import mark_worker
 from ckptstore.backends.s3_multipart import Multipart, PartJob, Upload
 from ckptstore.backends.s3_options import (
     DEFAULT_RETRY_TIMEOUT,
@@ -44,7 +44,8 @@ from ckptstore.backends.s3_options import (
     MAX_SINGLE_PUT,
 )
 from ckptstore.backends.s3_progress import Meter, Progress, ProgressBody
-from ckptstore.backends.s3_retry import Retrier, mark_worker
+from ckptstore.backends.s3_rate import SendRate, rate_for
+from ckptstore.backends.s3_retry import Retrier
 from ckptstore.deadline import current_deadline
 
 __all__ = ["Transfers", "crc32c_base64", "drain", "read_body_into", "split"]
@@ -93,7 +94,7 @@ class Transfers:
         checksums: bool,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
-        backoff: Backoff | None = None,
+        rate: SendRate | None = None,
     ) -> None:
         self._client = client
         self.bucket = bucket
@@ -102,7 +103,7 @@ class Transfers:
         self.stall_timeout = stall_timeout
         endpoint = str(getattr(getattr(client, "meta", None), "endpoint_url", "") or "AWS S3")
         self.retrier = Retrier(
-            backoff or backoff_for(f"{endpoint}/{bucket}"),
+            rate or rate_for(f"{endpoint}/{bucket}"),
             retry_timeout=retry_timeout,
             max_attempts=max_attempts,
         )

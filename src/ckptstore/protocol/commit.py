@@ -16,7 +16,6 @@ manifests as the truth and ``latest`` as a fast path (catalog.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -42,21 +41,24 @@ from ckptstore.errors import (
     ConfigError,
     ConflictError,
     CorruptCheckpointError,
+    ErrorContext,
     FencedError,
     IncompleteCheckpointError,
     NotFoundError,
     ObjectExistsError,
     PreconditionFailedError,
 )
-from ckptstore.protocol.cas import swap_loop
+from ckptstore.protocol.cas import BACKOFF, swap_loop
 from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.pointer import Pointer
 from ckptstore.protocol.removal import Remover
+from ckptstore.retry import Retry
 
 log = logging.getLogger(__name__)
 
-_COMMIT_ATTEMPTS = 5
-"""Looks at a manifest key a commit finds taken, while removals keep changing it."""
+COMMIT_OVER = Retry(BACKOFF, attempts=5)
+"""Looks at a manifest key a commit finds taken, while removals keep changing it, with
+cas.py's backoff between them (they race those removals for the key)."""
 
 
 @dataclass(frozen=True)
@@ -234,50 +236,46 @@ class Committer:
         of our attempts (ConflictError)."""
         path = layout.manifest_path(manifest.step)
         where = self.catalog.uri(path)
+        context = ErrorContext(uri=where, step=manifest.step, path=path)
         ours = {f.attempt for f in manifest.files}
-        for _ in range(_COMMIT_ATTEMPTS):
+
+        def look() -> None:
+            """One look at the key; a lost race (the key changed) raises, to look again."""
             try:
                 held, version = self.backend.read_versioned(path)
             except NotFoundError:
-                with contextlib.suppress(ObjectExistsError):  # dropped meanwhile: create it
-                    self.backend.create(path, data)
-                    return
-                continue
+                self.backend.create(path, data)  # dropped meanwhile: create it
+                return
             if held == data and manifest.writer == self.writer:
                 return
             removed = tombstone_attempts(held)
             if removed is None:
-                break  # a manifest: the step is committed
+                raise ConflictError(
+                    f"step {manifest.step} is already committed in {self.backend.uri}; "
+                    "committed steps are immutable. Save under a new step, or `ckptstore rm` "
+                    "it first",
+                    **context,
+                ) from error
             if not removed.isdisjoint(ours):
                 raise ConflictError(
                     f"step {manifest.step} in {self.backend.uri} was removed while this save "
                     "staged its files (gc judged them abandoned, or a coordinator discarded "
                     "the step); nothing was committed. Save again",
-                    uri=where,
-                    step=manifest.step,
-                    path=path,
+                    **context,
                 ) from error
             if tombstone_dropping(held) is not None and self.remover.outwait_drop(path, version):
-                continue  # gone, or changed: look again
-            with contextlib.suppress(PreconditionFailedError):  # changed: look again
-                self.backend.swap(path, data, version)
-                return
-        else:
+                raise PreconditionFailedError(f"{where} changed while it was waited on", **context)
+            self.backend.swap(path, data, version)
+
+        try:
+            COMMIT_OVER.run(look, retryable=_raced, target=where, doing="commit", sleep=self.sleep)
+        except (ObjectExistsError, PreconditionFailedError):
             raise BackendError(
                 f"{where} keeps changing (removals of step {manifest.step} racing this commit); "
                 "nothing was committed. Save again",
                 retryable=True,
-                uri=where,
-                step=manifest.step,
-                path=path,
+                **context,
             ) from error
-        raise ConflictError(
-            f"step {manifest.step} is already committed in {self.backend.uri}; committed "
-            "steps are immutable. Save under a new step, or `ckptstore rm` it first",
-            uri=where,
-            step=manifest.step,
-            path=path,
-        ) from error
 
     def advance_latest(self, step: int, *, epoch: int = 0, rollback: bool = False) -> bool:
         """Move ``latest`` to ``step`` by compare-and-swap; returns False if it was ahead.
@@ -366,6 +364,11 @@ class Committer:
         except CorruptCheckpointError as e:
             log.warning("%s; replacing it, %s", e, doing)
             return None
+
+
+def _raced(e: Exception) -> bool:
+    """A create-only write or a compare-and-swap lost to a change of the key: look again."""
+    return isinstance(e, (ObjectExistsError, PreconditionFailedError))
 
 
 def _hashed(chunks: Iterable[Chunk], crc: Crc32c, sha: hashlib._Hash | None) -> Iterator[Chunk]:

@@ -44,6 +44,7 @@ from ckptstore.errors import (
     PreconditionFailedError,
 )
 from ckptstore.protocol.catalog import Catalog
+from ckptstore.retry import Backoff, Pauses
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ DROP_WINDOW = 10.0
 """Seconds after it began marking a tombstone dropping within which a dropper deletes it."""
 DROP_MARGIN = 5.0
 """What a waiter adds to the window: requests in flight, clocks that tick a little apart."""
+DROP_POLL = Backoff(base=0.05, cap=1.0, jitter=0.0)
+"""A waiter's pauses between looks at a dropping tombstone: 50 ms, doubling to 1 s."""
 
 
 class Remover:
@@ -285,10 +288,9 @@ class Remover:
         gone or holds something else (look again), False once it stood unchanged past the
         dropper's window: its dropper deletes it no more, so it may be swapped over."""
         until = self.monotonic() + DROP_WINDOW + DROP_MARGIN
-        pause = 0.05
+        pauses = Pauses(DROP_POLL)
         while self.monotonic() < until:
-            self.sleep(pause)
-            pause = min(pause * 2, 1.0)
+            self.sleep(pauses.next())
             try:
                 _, now = self.backend.read_versioned(path)
             except NotFoundError:

@@ -3,8 +3,9 @@
 An evaluation or rollout cluster that picks up each checkpoint of a training run polls the
 store: each poll is one listing of the step directories (the catalog reads the manifests of
 steps it has not seen, and the pointer, to leave out steps a fenced writer committed), and
-the pause between polls grows from ``interval`` by half each time up to ``max_interval``, so a
-follower that waits for hours costs a few requests a minute. A step is returned only once its
+the pause between polls grows from ``interval`` by half each time up to ``max_interval``
+(:func:`poll_backoff`, a :class:`~ckptstore.retry.Backoff` with no jitter), so a follower that
+waits for hours costs a few requests a minute. A step is returned only once its
 manifest exists, so whatever it returns is complete and will load.
 """
 
@@ -17,12 +18,14 @@ from typing import Protocol
 
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.errors import ConfigError, WaitTimeoutError
+from ckptstore.retry import Backoff, Pauses
 
 DEFAULT_INTERVAL = 5.0
 """Seconds before the second poll."""
 MAX_INTERVAL = 30.0
 """The longest pause between polls."""
-BACKOFF = 1.5
+GROWTH = 1.5
+"""How much each idle poll's pause grows."""
 
 
 class Steps(Protocol):
@@ -35,25 +38,15 @@ class Steps(Protocol):
     def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]: ...
 
 
-class Backoff:
-    """The pauses of a poller: ``interval`` first, half as long again after each idle poll up
-    to ``max_interval``, and ``interval`` again after a poll that found work (``busy``)."""
-
-    def __init__(self, interval: float, max_interval: float = MAX_INTERVAL) -> None:
-        for name, value in (("interval", interval), ("max_interval", max_interval)):
-            if not value >= 0:
-                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
-        self.interval = max(interval, 0.01)
-        self.ceiling = max(max_interval, self.interval)
-        self._delay = self.interval
-
-    def next(self, *, busy: bool = False) -> float:
-        """Seconds to wait before the next poll."""
-        if busy:
-            self._delay = self.interval
-        delay = self._delay
-        self._delay = min(self._delay * BACKOFF, self.ceiling)
-        return delay
+def poll_backoff(interval: float, max_interval: float = MAX_INTERVAL) -> Backoff:
+    """The pauses of a poller (for :class:`~ckptstore.retry.Pauses`): ``interval`` first
+    (10 ms at least), half as long again after each idle poll, up to ``max_interval``; no
+    jitter, as nobody races it. ConfigError for a negative or NaN value (a user's option)."""
+    for name, value in (("interval", interval), ("max_interval", max_interval)):
+        if not value >= 0:
+            raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    first = max(interval, 0.01)
+    return Backoff(base=first, cap=max(max_interval, first), factor=GROWTH, jitter=0.0)
 
 
 def newest_after(store: Steps, newer_than: int | None) -> CheckpointInfo | None:
@@ -89,7 +82,7 @@ def wait_for_step(
     if newer_than is None:
         current = newest_after(store, None)
         newer_than = current.step if current is not None else None
-    backoff = Backoff(interval, max_interval)
+    pauses = Pauses(poll_backoff(interval, max_interval))
     while True:
         found = newest_after(store, newer_than)
         if found is not None:
@@ -104,8 +97,8 @@ def wait_for_step(
                 uri=store.uri,
                 step=newer_than,
             )
-        delay = backoff.next()
+        delay = pauses.next()
         sleep(delay if deadline is None else min(delay, deadline - now))
 
 
-__all__ = ["DEFAULT_INTERVAL", "MAX_INTERVAL", "Backoff", "newest_after", "wait_for_step"]
+__all__ = ["DEFAULT_INTERVAL", "MAX_INTERVAL", "newest_after", "poll_backoff", "wait_for_step"]

@@ -27,7 +27,7 @@ pointer and one GET per manifest not seen before; on ``dst`` one LIST of step di
 GETs of manifests not seen before); per step copied, two listings of its directory, a PUT per
 attempt marker, the manifest PUT, the lease renewals and the pointer's GET and swap. An idle
 poll of a follower is therefore three requests, and its pauses grow from ``interval`` to
-``max_interval`` (follow.py's :class:`~ckptstore.replication.follow.Backoff`).
+``max_interval`` (:func:`~ckptstore.replication.follow.poll_backoff`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ from ckptstore.errors import (
     UntrustedCheckpointError,
 )
 from ckptstore.replication.destination import Replica
-from ckptstore.replication.follow import DEFAULT_INTERVAL, MAX_INTERVAL, Backoff
+from ckptstore.replication.follow import DEFAULT_INTERVAL, MAX_INTERVAL, poll_backoff
+from ckptstore.retry import Pauses
 
 
 class Replicable(Protocol):
@@ -340,7 +341,7 @@ def follow(
     logged and the next pass tries again; any other error ends the follow.
     """
     replicator = Replicator(src.resolver, dst.replica, check_server_copies=check_server_copies)
-    backoff = Backoff(interval, max_interval)
+    pauses = Pauses(poll_backoff(interval, max_interval))
     dst.replica.hold_lease()
     done = 0
     while True:
@@ -358,7 +359,7 @@ def follow(
         done += 1
         if passes is not None and done >= passes:
             return
-        sleep(backoff.next(busy=busy))
+        sleep(pauses.next(busy=busy))
 
 
 def _refuse_same_store(origin: Resolver, replica: Replica) -> None:

@@ -32,7 +32,7 @@ from ckptstore.errors import CheckpointError, ConflictError, FencedError, Incomp
 from ckptstore.protocol.catalog import StepState, fenced
 from ckptstore.protocol.commit import Previous
 from ckptstore.protocol.pointer import Pointer
-from ckptstore.replication.follow import Backoff
+from ckptstore.retry import Backoff, Pauses
 from ckptstore.tiers.local import LocalTier, PersistPolicy
 from ckptstore.tiers.node_tier import NodeTier
 
@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 OTHER_NODES_WAIT = 600.0
 """Seconds a persist waits for the other nodes' files of a multi-node save to reach the
 durable tier, unless the save's deadline (``save_timeout``) comes first."""
+OTHER_NODES_POLL = Backoff(base=0.05, cap=2.0, factor=1.5, jitter=0.0)
+"""The pauses between listings of those files: 50 ms, half as long again each time, to 2 s."""
 
 
 def persist(
@@ -320,7 +322,7 @@ class Persister:
         FileCopier(self.local.catalog.backend, self.durable.catalog.backend).copy_files(step, mine)
         rest = [e for e in entries if e not in mine]
         until = time.monotonic() + remaining(OTHER_NODES_WAIT)
-        backoff = Backoff(0.05, 2.0)
+        pauses = Pauses(OTHER_NODES_POLL)
         while rest:
             there = self.durable.catalog.payload_sizes(step)
             rest = [e for e in rest if there.get(e.key(step)) != e.size]
@@ -335,7 +337,7 @@ class Persister:
                     step=step,
                 )
             if rest:
-                time.sleep(min(backoff.next(), left))
+                time.sleep(min(pauses.next(), left))
 
     def _failed(self, step: int, error: CheckpointError) -> None:
         log.error("%s: step %d stays in the local tier %s; persisting it failed (retried when "

@@ -5,22 +5,19 @@ threads of a process must slow down together, not each on its own (see :mod:`.s3
 why). This is a client-side rate limit like botocore's ``adaptive`` mode, but one per endpoint
 and bucket for the whole process (every client and backend on it), and one whose waits the
 retry loop bounds by the deadline. It also remembers whether the endpoint ever answered, which
-tells a typo in ``endpoint_url`` from an outage.
+tells a typo in ``endpoint_url`` from an outage. One request's own wait after a failure is not
+shared: it is the package's retry policy (:mod:`ckptstore.retry`), applied by :mod:`.s3_retry`.
 """
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import weakref
 from collections.abc import Callable
 
-__all__ = ["Backoff", "backoff_for"]
+__all__ = ["SendRate", "rate_for"]
 
-BASE_DELAY = 0.05
-MAX_DELAY = 5.0
-"""The longest backoff of one request after a failure (botocore's cap is 20 s)."""
 MIN_RATE = 5.0
 """Requests per second the shared rate never falls below: a brownout (every answer SlowDown
 for a while) takes it there, and it must climb back fast once the endpoint recovers."""
@@ -28,7 +25,7 @@ GROWTH = 4.0
 """How much the shared rate grows per second of successes."""
 
 
-class Backoff:
+class SendRate:
     """The send rate one endpoint's requests share, across the threads of this process.
 
     Unlimited until the endpoint throttles. A throttling answer to a request sent since the
@@ -44,15 +41,11 @@ class Backoff:
     def __init__(
         self,
         *,
-        base: float = BASE_DELAY,
         clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
     ) -> None:
-        self.base = base
         self.answered = False
         self.lowered = 0
         self._clock = clock
-        self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._rate: float | None = None
         self._last = float("-inf")
@@ -109,10 +102,6 @@ class Backoff:
             if self._rate > 4 * max(self._sent_rate(now), MIN_RATE):
                 self._rate = None  # far above what is sent: no limit
 
-    def alone(self, failures: int) -> float:
-        """One request's own backoff after ``failures`` failures: exponential, full jitter."""
-        return self._rng.uniform(0.0, min(MAX_DELAY, self.base * 2**failures))
-
     def _count(self, now: float) -> None:
         self._roll(now)
         self._this_second += 1
@@ -130,15 +119,15 @@ class Backoff:
         return self._this_second + self._last_second * (1.0 - (now - self._second))
 
 
-_SHARED: weakref.WeakValueDictionary[str, Backoff] = weakref.WeakValueDictionary()
+_SHARED: weakref.WeakValueDictionary[str, SendRate] = weakref.WeakValueDictionary()
 _SHARED_LOCK = threading.Lock()
 
 
-def backoff_for(endpoint: str) -> Backoff:
-    """The process's backoff for ``endpoint`` (a URL, and the bucket: S3 limits each bucket's
+def rate_for(endpoint: str) -> SendRate:
+    """The process's send rate for ``endpoint`` (a URL, and the bucket: S3 limits each bucket's
     prefixes on their own): shared while any backend holds it."""
     with _SHARED_LOCK:
         found = _SHARED.get(endpoint)
         if found is None:
-            found = _SHARED[endpoint] = Backoff()
+            found = _SHARED[endpoint] = SendRate()
         return found
