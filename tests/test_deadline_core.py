@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.backends.base import Backend, Chunk
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.data.payload import SourceFile
-from ckptstore.deadline import Deadline, current_deadline
 from ckptstore.domain.layout import LATEST_NAME
 from ckptstore.domain.manifest import KIND_DIRECTORY
 from ckptstore.errors import BackendError, DistributedCheckpointError, SaveTimeoutError
 from ckptstore.integrations.distributed import load_distributed, save_distributed
+from slow import Slow
 
 
 class MutePointer(BackendProxy):
@@ -33,46 +31,6 @@ class MutePointer(BackendProxy):
         if path == LATEST_NAME:
             raise BackendError(f"{self.uri}/{path}: the server stopped answering", retryable=True)
         return super().swap(path, data, expected)
-
-
-class Slow(BackendProxy):
-    """Writes and reads that trickle: a chunk every ``pause`` seconds."""
-
-    def __init__(self, inner: Backend, pause: float) -> None:
-        super().__init__(inner)
-        self.pause = pause
-        self.deadlines: list[Deadline] = []
-
-    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
-        def trickle() -> Iterator[Chunk]:
-            for chunk in chunks:
-                time.sleep(self.pause)
-                yield chunk
-
-        return super().write(path, trickle())
-
-    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        self._wait(path)
-        return super().read(path, start, end)
-
-    def read_into(self, path: str, out: memoryview) -> int:
-        self._wait(path)
-        return super().read_into(path, out)
-
-    def read_into_chunks(
-        self, path: str, out: memoryview, on_chunk: Callable[[memoryview], None]
-    ) -> int:
-        self._wait(path)
-        return super().read_into_chunks(path, out, on_chunk)
-
-    def _wait(self, path: str) -> None:
-        """Pause, then give up if the deadline in force has passed, as the S3 backend's
-        requests do (a local disk's read cannot be cut short)."""
-        time.sleep(self.pause)
-        deadline = current_deadline()
-        if deadline is not None:
-            self.deadlines.append(deadline)
-            deadline.check(f"{self.uri}/{path}", doing="read")
 
 
 def state() -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, ParamSpec, TypeVar
 
 from ckptstore.errors import DeadlineExceededError, LoadTimeoutError, SaveTimeoutError
@@ -66,7 +66,9 @@ class Deadline:
     """A point on a monotonic clock by which a save or load must be done.
 
     ``seconds`` is the budget it was made with (for messages), ``operation`` decides which
-    error it raises, ``rank`` whose save it is (``None`` outside a distributed save).
+    error it raises, ``rank`` whose save it is (``None`` outside a distributed save); ``store``
+    and ``step``, where known, what the save or load is of (a load learns its step once the
+    resolver has chosen it: :meth:`of_step`), so that the error names them.
     """
 
     expires: float
@@ -74,6 +76,8 @@ class Deadline:
     operation: Operation = "save"
     rank: int | None = None
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+    store: str | None = None
+    step: int | None = None
 
     def __post_init__(self) -> None:
         if self.operation not in ("save", "load"):
@@ -89,9 +93,14 @@ class Deadline:
         operation: Operation = "save",
         rank: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        store: str | None = None,
     ) -> Deadline:
         """The deadline ``seconds`` from now."""
-        return cls(clock() + seconds, seconds, operation, rank, clock)
+        return cls(clock() + seconds, seconds, operation, rank, clock, store)
+
+    def of_step(self, step: int) -> Deadline:
+        """The same point in time, known to be ``step``'s."""
+        return replace(self, step=step)
 
     @classmethod
     def of(cls, seconds: float | None, *, operation: Operation = "save") -> Deadline | None:
@@ -143,6 +152,10 @@ class Deadline:
         URI; a caller that knows the store-relative path adds it (``add_context``)."""
         cls = SaveTimeoutError if self.operation == "save" else LoadTimeoutError
         who = f"rank {self.rank}'s {self.operation}" if self.rank is not None else self.operation
+        if self.step is not None:
+            who += f" of step {self.step}"
+        if self.store is not None and not (target and target.startswith(self.store)):
+            who += f" of {self.store}"
         what = f" while trying to {doing} {target}" if target else ""
         facts = []
         if upload_id:
@@ -151,7 +164,7 @@ class Deadline:
             facts.append(f"{bytes_done} bytes done")
         detail = f" ({', '.join(facts)})" if facts else ""
         cause = f"; last error: {last_error}" if last_error else "; no request had failed"
-        setting = "save_timeout" if self.operation == "save" else "the load's timeout"
+        setting = "save_timeout" if self.operation == "save" else "load_timeout"
         message = (
             f"{who} ran past its {self.seconds:g} s deadline{what}{detail}{cause}. Check the "
             f"storage (the last error says what failed) or raise {setting}"
@@ -163,7 +176,8 @@ class Deadline:
             bytes_done=bytes_done,
             last_error=last_error,
             timeout=self.seconds,
-            uri=target if target and "://" in target else None,
+            uri=target if target and "://" in target else self.store,
+            step=self.step,
         )
 
 
@@ -230,13 +244,18 @@ def clean_up(remove: Callable[[], None], what: str) -> bool:
 
 
 def within(
-    seconds: float | None, *, operation: Operation = "save", rank: int | None = None
+    seconds: float | None,
+    *,
+    operation: Operation = "save",
+    rank: int | None = None,
+    store: str | None = None,
 ) -> contextlib.AbstractContextManager[Deadline | None]:
-    """The deadline of a save or load of ``seconds`` (None: none), unless one is in force
-    already (a save's stage inside the save keeps the save's)."""
+    """The deadline of a save or load of ``seconds`` (None: none) of ``store``, unless one is
+    in force already (a save's stage inside the save keeps the save's, a pull inside a resume
+    the resume's)."""
     if seconds is None or _CURRENT.get() is not None:
         return contextlib.nullcontext(_CURRENT.get())
-    return bounded(Deadline.after(seconds, operation=operation, rank=rank))
+    return bounded(Deadline.after(seconds, operation=operation, rank=rank, store=store))
 
 
 def check(target: str, *, doing: str, bytes_done: int | None = None) -> None:

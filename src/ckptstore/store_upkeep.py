@@ -82,7 +82,8 @@ class StoreUpkeep:
 
     @property
     def resolver(self) -> Resolver:
-        """Which step a load starts from (resolver.py), for faces that load on many ranks."""
+        """Which step a load starts from, and the load's deadline (resolver.py): a face whose
+        load is more than one call runs it all under ``with store.resolver.loading():``."""
         return self._resolver
 
     @property

@@ -201,10 +201,24 @@ def retention_of(ctx: click.Context) -> dict[str, Any]:
 
 
 def on_store_option(ctx: click.Context, param: click.Parameter, value: Any) -> None:
-    """Keep an option of the destination store (retention, ``--save-timeout``) for
+    """Keep an option of the store (retention, ``--save-timeout``, ``--load-timeout``) for
     :func:`retention_of`, by its StoreOptions name."""
     if value is not None and param.name is not None:
         retention_of(ctx)[param.name] = value
+
+
+def load_timeout_option(f: F) -> F:
+    """``--load-timeout``: the store's ``load_timeout`` for a command that reads a step (pull,
+    export); read it with ``retention_of``."""
+    return click.option(
+        "--load-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="SECONDS",
+        expose_value=False,
+        callback=on_store_option,
+        help="Fail if choosing and reading the step takes longer, leaving nothing behind; "
+        "default: no deadline.",
+    )(f)
 
 
 def retention_options(f: F) -> F:

@@ -19,9 +19,11 @@ from ckptstore.cli.common import (
     StepRef,
     common_options,
     emit,
+    load_timeout_option,
     open_store,
     parse_pair,
     resolve_step,
+    retention_of,
     settings_of,
 )
 from ckptstore.cli.format import human_size
@@ -111,6 +113,7 @@ SIZE = _SizeType()
     metavar="KEY=VALUE",
     help="Storage option for OUT when it is a URI (default: the store's options).",
 )
+@load_timeout_option
 @common_options
 @click.pass_context
 def export_command(
@@ -135,22 +138,23 @@ def export_command(
     """
     from ckptstore.export.hf import export_hf
 
-    store = open_store(ctx, uri)
-    number = resolve_step(store, step)
-    options = dict(settings_of(ctx).storage_options)
-    options.update(parse_pair(text, "--out-option") for text in out_option)
-    report = export_hf(
-        store,
-        number,
-        out,
-        role=role,
-        dtype=dtype,
-        shard_size=shard_size,
-        merge_lora=merge_lora,
-        key_prefix_map=list(key_prefix_map) or None,
-        hf_config=hf_config,
-        storage_options=options,
-    )
+    store = open_store(ctx, uri, retention=retention_of(ctx))
+    with store.resolver.loading():  # choosing the step and exporting it: one load
+        number = resolve_step(store, step)
+        options = dict(settings_of(ctx).storage_options)
+        options.update(parse_pair(text, "--out-option") for text in out_option)
+        report = export_hf(
+            store,
+            number,
+            out,
+            role=role,
+            dtype=dtype,
+            shard_size=shard_size,
+            merge_lora=merge_lora,
+            key_prefix_map=list(key_prefix_map) or None,
+            hf_config=hf_config,
+            storage_options=options,
+        )
     data = {"uri": store.uri, "format": fmt, **report.record()}
     if report.skipped:
         human = f"step {report.step} of {store.uri} is already exported to {report.out}; skipped"

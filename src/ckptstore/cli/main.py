@@ -117,7 +117,7 @@ Exit codes:
   3    not found (no such step, or an empty store)
   4    verification failed: corrupt or incomplete checkpoint
   5    conflict (step exists, is latest or pinned, lost a race)
-  6    storage error (backend failure, access denied, --save-timeout passed)
+  6    storage error (backend failure, access denied, --save-timeout or --load-timeout passed)
   7    compatibility (versions refused under --compat strict, or a newer ckptstore's step)
   8    signed steps whose signature was not checked (no key): verify and show
   130  interrupted

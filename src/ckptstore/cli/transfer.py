@@ -30,6 +30,7 @@ from ckptstore.cli.common import (
     common_options,
     emit,
     empty_store,
+    load_timeout_option,
     on_store_option,
     open_store,
     parse_pair,
@@ -302,6 +303,7 @@ def _emit_run_push(
     "includes, whatever their order here: --exclude '*' --include 'actor/*' pulls only actor/.",
 )
 @progress_option
+@load_timeout_option
 @common_options
 @click.pass_context
 def pull_command(
@@ -324,23 +326,24 @@ def pull_command(
     """
     chosen = _one_step(step, step_option)
     number = None if chosen in (None, LATEST) else int(chosen)  # latest: with its fallback
-    store = open_store(ctx, uri)
-    expected = store.info(number) if number is not None else store.latest()
-    if expected is None:
-        raise empty_store(store)
-    takes = path_filter(include, exclude)
-    total = sum(f.size for f in expected.files if takes(f.path))
-    started = time.perf_counter()
-    with progress_bar(total, f"pull step {expected.step}", progress) as update:
-        info = store.pull_dir(
-            local_dir,
-            number,
-            progress=update,
-            force=force,
-            delete=delete,
-            include=include,
-            exclude=exclude,
-        )
+    store = open_store(ctx, uri, retention=retention_of(ctx))
+    with store.resolver.loading():  # choosing the step and pulling it: one load
+        expected = store.info(number) if number is not None else store.latest()
+        if expected is None:
+            raise empty_store(store)
+        takes = path_filter(include, exclude)
+        total = sum(f.size for f in expected.files if takes(f.path))
+        started = time.perf_counter()
+        with progress_bar(total, f"pull step {expected.step}", progress) as update:
+            info = store.pull_dir(
+                local_dir,
+                number,
+                progress=update,
+                force=force,
+                delete=delete,
+                include=include,
+                exclude=exclude,
+            )
     seconds = time.perf_counter() - started
     pulled = [f for f in info.files if takes(f.path)]
     size = sum(f.size for f in pulled)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
-from ckptstore.deadline import Deadline, within
+from ckptstore.deadline import Deadline, bounded, within
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.errors import (
@@ -93,10 +93,19 @@ class Resolver:
     def tiers(self) -> tuple[Catalog, ...]:
         return (*self.faster, self.catalog)
 
-    def loading(self) -> contextlib.AbstractContextManager[Deadline | None]:
-        """A load's deadline in force for the block (one in force already is kept): what a
-        face that reads a step's files itself runs under (distributed.py, the DCP reader)."""
-        return within(self.load_timeout, operation="load")
+    @contextlib.contextmanager
+    def loading(self, step: int | None = None) -> Iterator[Deadline | None]:
+        """The load's deadline (the store's ``load_timeout``) in force for the block, one in
+        force already kept: the one entry point every face's load runs under, whether it
+        resolves (:meth:`resolve`), reads a step's files itself (distributed.py, the DCP
+        reader) or does several of those as one load (a resume, a pull, an export). ``step``,
+        once known, is named by the timeout's error."""
+        with within(self.load_timeout, operation="load", store=self.uri) as deadline:
+            if deadline is None or step is None or deadline.operation != "load":
+                yield deadline
+                return
+            with bounded(deadline.of_step(step)) as named:
+                yield named
 
     def _tagged(self, info: CheckpointInfo, catalog: Catalog) -> CheckpointInfo:
         """``info`` with the tier it was found in, in a store that has tiers."""
@@ -260,7 +269,9 @@ class Resolver:
             search = self.search(step, fallback=fallback, newer_than=newer_than)
             while (info := search.next()) is not None:
                 try:
-                    return Resolved(info, action(info), search.skipped_before(info))
+                    with self.loading(info.step):
+                        value = action(info)
+                    return Resolved(info, value, search.skipped_before(info))
                 except VERIFY_ERRORS as e:
                     search.failed(info, e)
             raise search.exhausted()

@@ -25,6 +25,7 @@ from typing import IO, Any, cast
 
 import torch
 
+from ckptstore.deadline import map_in_context
 from ckptstore.errors import CompatibilityError, CorruptCheckpointError, UnsafeLoadError
 from ckptstore.export.source import StepSource
 from ckptstore.integrations.verl_reshard_tensors import SAFE_GLOBALS, quiet_meshes
@@ -42,7 +43,7 @@ def load_metas(source: StepSource, paths: Sequence[str]) -> list[Any]:
         torch.serialization.safe_globals(list(SAFE_GLOBALS)),
         ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="ckpt-export") as pool,
     ):
-        return list(pool.map(lambda path: _load_meta(source, path), paths))
+        return map_in_context(pool, lambda path: _load_meta(source, path), paths)  # deadline too
 
 
 def _load_meta(source: StepSource, path: str) -> Any:

@@ -100,9 +100,32 @@ def export_hf(
 ) -> ExportReport:
     """Export ``step`` (None: latest) of ``store`` as a Hugging Face model into ``out``, a new
     local directory or a store URI (``storage_options`` for it). See the module docstring and
-    docs/export.md for what is written and checked."""
+    docs/export.md for what is written and checked. One load, by the store's ``load_timeout``
+    (resolver.py): choosing the step, reading it and writing the export; one that passes it
+    leaves no export behind."""
     started = time.perf_counter()
-    info = _resolve(store, step)
+    with store.resolver.loading():
+        info = _resolve(store, step)
+        with store.resolver.loading(info.step):
+            return _export(
+                store, info, out, role, dtype, shard_size, merge_lora, key_prefix_map, hf_config,
+                storage_options, started,
+            )  # fmt: skip
+
+
+def _export(
+    store: CheckpointStore,
+    info: CheckpointInfo,
+    out: str | os.PathLike[str],
+    role: str,
+    dtype: str | None,
+    shard_size: int,
+    merge_lora: bool,
+    key_prefix_map: Iterable[str] | Mapping[str, str] | None,
+    hf_config: str | os.PathLike[str] | None,
+    storage_options: Mapping[str, Any] | None,
+    started: float,
+) -> ExportReport:
     wanted = _dtype(dtype)
     keymap = KeyMap.parse(key_prefix_map)
     options: dict[str, Any] = {"role": role, "dtype": dtype, "shard_size": shard_size}

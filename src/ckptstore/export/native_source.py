@@ -18,6 +18,7 @@ from typing import Any
 
 from ckptstore.data import safetensors_header
 from ckptstore.data.serialize import FORMAT, SKELETON_FILE
+from ckptstore.deadline import map_in_context
 from ckptstore.errors import ConfigError, CorruptCheckpointError
 from ckptstore.export.found import Found, hf_files, json_object
 from ckptstore.export.plan import Piece, SourceTensor
@@ -52,7 +53,8 @@ def find_native(source: StepSource) -> Found:
     shard_of: dict[str, str] = body["shards"]
     paths = sorted({_shard(shard_of, ref, where) for ref in refs.values()})
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-export") as pool:
-        headers = dict(zip(paths, pool.map(lambda p: _header(source, p), paths), strict=True))
+        found_headers = map_in_context(pool, lambda p: _header(source, p), paths)  # deadline too
+        headers = dict(zip(paths, found_headers, strict=True))
     found = Found("native", [], hf_files=hf_files(source.entries, "huggingface"))
     names_of: dict[str, list[str]] = {}
     for name, ref in refs.items():

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 from ckptstore.backends.base import Backend, Chunk, join
 from ckptstore.backends.fsutil import atomic_write, fsync_dir, temp_name
 from ckptstore.backends.registry import open_backend, scheme_of
-from ckptstore.errors import CheckpointError, ConflictError, ObjectExistsError
+from ckptstore.deadline import clean_up
+from ckptstore.errors import ConflictError, ObjectExistsError
 from ckptstore.export.plan import INDEX_NAME
 
 log = logging.getLogger(__name__)
@@ -148,12 +149,10 @@ class StoreTarget:
         self._written = []
 
     def abort(self) -> None:
-        if self._written:
-            try:
-                self.backend.delete(self._written)
-            except CheckpointError as e:
-                log.warning("could not remove the files of a failed export at %s: %s", self.uri, e)
-            self._written = []
+        if self._written:  # under a deadline of its own: the export's may have passed
+            written, self._written = self._written, []
+            what = f"the files of a failed export at {self.uri}"
+            clean_up(lambda: self.backend.delete(written), what)
 
     def close(self) -> None:
         self.abort()

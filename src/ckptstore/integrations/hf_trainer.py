@@ -167,35 +167,37 @@ def pull_checkpoint(
 
     ``None`` when the store is empty (start from scratch). A ``checkpoint-N`` directory that
     exists already is left as it is (the Trainer wrote it). The download is verified and lands
-    whole or not at all, so ``resume_from_checkpoint=True`` never finds half a checkpoint.
+    whole or not at all, so ``resume_from_checkpoint=True`` never finds half a checkpoint,
+    and by the store's ``load_timeout``, choosing the step included.
     """
     opener = _Opener(store, store_options)
     try:
         opened = opener.store
-        info = opened.latest() if step is None else opened.info(step)
-        if info is None:
-            log.info("%s holds no checkpoint; the Trainer starts from scratch", opened.uri)
-            return None
-        target = Path(output_dir) / f"{CHECKPOINT_PREFIX}-{info.step}"
-        if target.is_dir() and any(target.iterdir()):
-            log.info("%s exists; not pulling step %d again", target, info.step)
+        with opened.resolver.loading():  # one load, by the store's load_timeout
+            info = opened.latest() if step is None else opened.info(step)
+            if info is None:
+                log.info("%s holds no checkpoint; the Trainer starts from scratch", opened.uri)
+                return None
+            target = Path(output_dir) / f"{CHECKPOINT_PREFIX}-{info.step}"
+            if target.is_dir() and any(target.iterdir()):
+                log.info("%s exists; not pulling step %d again", target, info.step)
+                return target
+            # Into a name the Trainer ignores, then renamed to the step that passed verification
+            # (an older one if latest is corrupt): checkpoint-N never holds another step's files.
+            staging = Path(output_dir) / f".ckptstore-pull-{os.getpid()}"
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.parent.mkdir(parents=True, exist_ok=True)
+            pulled = opened.pull_dir(staging, step, fallback=step is None)
+            target = target.with_name(f"{CHECKPOINT_PREFIX}-{pulled.step}")
+            if target.is_dir() and any(target.iterdir()):
+                shutil.rmtree(staging)
+                return target
+            if target.is_dir():
+                target.rmdir()
+            staging.rename(target)
+            log.info("pulled step %d of %s into %s", pulled.step, opened.uri, target)
             return target
-        # Into a name the Trainer ignores, then renamed to the step that passed verification
-        # (an older one if latest is corrupt): checkpoint-N never holds another step's files.
-        staging = Path(output_dir) / f".ckptstore-pull-{os.getpid()}"
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.parent.mkdir(parents=True, exist_ok=True)
-        pulled = opened.pull_dir(staging, step, fallback=step is None)
-        target = target.with_name(f"{CHECKPOINT_PREFIX}-{pulled.step}")
-        if target.is_dir() and any(target.iterdir()):
-            shutil.rmtree(staging)
-            return target
-        if target.is_dir():
-            target.rmdir()
-        staging.rename(target)
-        log.info("pulled step %d of %s into %s", pulled.step, opened.uri, target)
-        return target
     finally:
         opener.close()
 

@@ -146,9 +146,11 @@ class StoreCheckpointIO(CheckpointIO, Callback):
         map_location: Any = None,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """The checkpoint ``path`` names (see :meth:`step_of`), verified."""
-        step = self.step_of(path)
-        state = self.store.load(step, fallback=False, allow_pickle=self.allow_pickle)
+        """The checkpoint ``path`` names (see :meth:`step_of`), verified; naming it and
+        reading it are one load, by the store's ``load_timeout``."""
+        with self.store.resolver.loading():
+            step = self.step_of(path)
+            state = self.store.load(step, fallback=False, allow_pickle=self.allow_pickle)
         if not isinstance(state, dict):
             raise ConfigError(
                 f"{self._uri}: step {step} holds a {type(state).__name__}, not a Lightning "

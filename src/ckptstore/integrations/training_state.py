@@ -22,7 +22,7 @@ from ckptstore.domain import layout
 from ckptstore.errors import ConfigError, ErrorContext, NotFoundError
 
 if TYPE_CHECKING:
-    from ckptstore.domain.info import CheckpointInfo
+    from ckptstore.domain.info import CheckpointInfo, Loaded
     from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -74,11 +74,9 @@ def resume(
     holds (the model at least) and logs the ones it lacks, e.g. for a step saved by a plain
     ``store.save(step, {"model": ..., "optimizer": ...})``.
     """
-    try:
-        loaded = store.load(with_info=True)
-    except NotFoundError:
-        if store.latest() is not None:  # something else is missing: not an empty store
-            raise
+    with store.resolver.loading():  # one load, by the store's load_timeout
+        loaded = _load_or_none(store)
+    if loaded is None:
         log.info("%s holds no checkpoint; starting from step 0", store.uri)
         return 0
     state, info = loaded.state, loaded.info
@@ -104,6 +102,17 @@ def resume(
         extra.update(state["extra"])
     log.info("resumed from %s", info.uri)
     return info.step
+
+
+def _load_or_none(store: CheckpointStore) -> Loaded | None:
+    """The latest step that verifies, or None for an empty store: any other NotFoundError (a
+    missing bucket, a file deleted under the step) raises."""
+    try:
+        return store.load(with_info=True)
+    except NotFoundError:
+        if store.latest() is not None:  # something else is missing: not an empty store
+            raise
+        return None
 
 
 def _missing_message(info: CheckpointInfo, missing: Sequence[str], strict: bool) -> str:

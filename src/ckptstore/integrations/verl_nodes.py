@@ -118,19 +118,23 @@ class NodeAgent:
     def pull_newest(self, newer_than: int | None) -> tuple[int, tuple[int, ...]]:
         """Pull the step the store's resolver picks (latest, falling back past steps that
         fail verification; only steps above ``newer_than``) into ``global_step_N``. Returns
-        it and the newer steps skipped; NotFoundError when there is none (resolver.py)."""
+        it and the newer steps skipped; NotFoundError when there is none (resolver.py). The
+        resolver runs it by the store's ``load_timeout``; a pull that passes it leaves no
+        ``global_step_N`` (:meth:`_pull_one`)."""
         found = self.store.resolver.resolve(None, True, self._pull_one, newer_than=newer_than)
         return found.info.step, found.skipped
 
     def sync(self, step: int) -> bool:
         """Make sure this node holds the whole committed ``step``; pull it if any file is
-        missing or has the wrong size. Returns whether it pulled."""
-        info = self.store.info(step)
-        root = self.step_dir(step)
-        if all(_size(root / f.path) == f.size for f in info.files):
-            return False
-        self._pull_one(step)
-        return True
+        missing or has the wrong size. Returns whether it pulled. One load, by the store's
+        ``load_timeout`` (resolver.py), as :meth:`pull_newest` is."""
+        with self.store.resolver.loading(step):
+            info = self.store.info(step)
+            root = self.step_dir(step)
+            if all(_size(root / f.path) == f.size for f in info.files):
+                return False
+            self._pull_one(step)
+            return True
 
     def _pull_one(self, info: CheckpointInfo | int) -> None:
         step = info if isinstance(info, int) else info.step
@@ -309,7 +313,9 @@ class RayFleet:
                 )
             except self._ray.exceptions.GetTimeoutError as e:
                 assert deadline is not None  # ray.get times out only when given a timeout
-                errors.append(deadline.error(f"the agent on node {node}", last_error=str(e)))
+                errors.append(
+                    deadline.error(f"the agent on node {node}", doing="wait for", last_error=str(e))
+                )
             except self._ray.exceptions.RayActorError as e:
                 del self._actors[node]
                 errors.append(

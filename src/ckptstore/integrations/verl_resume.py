@@ -53,7 +53,12 @@ def prepare_resume(
     opened = (
         store
         if store is not None
-        else CheckpointStore(settings.uri, storage_options=settings.storage_options, lease=False)
+        else CheckpointStore(
+            settings.uri,
+            storage_options=settings.storage_options,
+            lease=False,
+            load_timeout=settings.load_timeout,
+        )
     )
     try:
         return prepare(config, run, opened, fleet or make_fleet(settings, run, opened))
@@ -63,14 +68,22 @@ def prepare_resume(
 
 
 def prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) -> Resume:
+    """Choose the step and put it on every node, as one load: by the store's
+    ``load_timeout`` (the resolver's deadline, which in-process agents share and a Ray fleet
+    waits for; each Ray agent's own store runs its pulls by it too)."""
     if run.resume_mode == "disable":
         return Resume(None, "disabled")
-    if run.resume_mode == "resume_path":
-        return _resume_path(config, run, store, fleet)
-    if run.resume_mode != "auto":
+    if run.resume_mode not in ("auto", "resume_path"):
         raise ConfigError(
             f"trainer.resume_mode must be auto, disable or resume_path, got {run.resume_mode!r}"
         )
+    with store.resolver.loading():
+        if run.resume_mode == "resume_path":
+            return _resume_path(config, run, store, fleet)
+        return _resume_latest(run, store, fleet)
+
+
+def _resume_latest(run: VerlRun, store: CheckpointStore, fleet: Fleet) -> Resume:
     step, skipped, source = _choose(run, store, fleet)
     if step is None:
         log.info("%s holds no checkpoint and %s none: training starts from step 0", store.uri,

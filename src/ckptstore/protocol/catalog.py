@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from ckptstore.backends.base import Backend, join
+from ckptstore.deadline import map_in_context
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo, SaveStats
 from ckptstore.domain.manifest import FileEntry, Manifest, is_tombstone
@@ -198,7 +199,7 @@ class Catalog:
 
         steps = self.step_dirs()
         with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="ckpt-scan") as pool:
-            results = list(pool.map(read, steps))
+            results = map_in_context(pool, read, steps)  # by the caller's deadline
         committed = [r for r in results if isinstance(r, Manifest)]
         broken = {
             s: r for s, r in zip(steps, results, strict=True) if isinstance(r, CheckpointError)
