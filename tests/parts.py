@@ -24,3 +24,10 @@ def committer_for(
     catalog = Catalog(backend, signer=signer)
     remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
     return Committer(catalog, remover, writer=writer, clock=clock)
+
+
+def pointer_step(backend: Backend) -> int | None:
+    """The step ``latest`` itself names (not the listing a reader falls back to), read by a
+    catalog of its own: what a save left in the pointer."""
+    pointer, _ = Catalog(backend).read_pointer()
+    return pointer.step if pointer is not None else None

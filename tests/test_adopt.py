@@ -33,6 +33,7 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
+from ckptstore.protocol.adoption import Adopter
 
 KEY = "5e1f" * 8
 Put = Callable[[str, bytes], None]
@@ -238,25 +239,33 @@ def test_a_byte_changed_after_adoption_fails_verify(tmp_path: Path) -> None:
 
 
 def test_a_file_changed_while_adopting_commits_nothing_and_deletes_nothing(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "store"
     shard = root / "global_step_8" / "w.pt"
     shard.parent.mkdir(parents=True)
-    shard.write_bytes(b"x" * 100_000)
+    changes: list[bytes] = []
+    commit = Adopter.commit
+
+    def changed_then_commit(self: Adopter, found: Any, metadata: Any, progress: Any) -> Any:
+        shard.write_bytes(changes.pop(0))  # a writer still at work: the listing is stale
+        return commit(self, found, metadata, progress)
+
+    # adopt() plans and commits in one call: the file changes between the two, through the
+    # one seam there is, the commit of a planned step
+    monkeypatch.setattr(Adopter, "commit", changed_then_commit)
     with CheckpointStore(str(root)) as store:
-        adopter = store._adopter  # to change a file between planning and committing
-        (planned,) = adopter.find(8)
-        shard.write_bytes(b"x" * 50_000)  # a writer still at work: the listing is stale
+        shard.write_bytes(b"x" * 100_000)
+        changes.append(b"x" * 50_000)
         with pytest.raises(IncompleteCheckpointError, match="changed while it was adopted"):
-            adopter.commit(planned, {}, None)
+            store.adopt(8)
         assert store.list() == [] and shard.read_bytes() == b"x" * 50_000
         shard.write_bytes(b"y" * 50_000)
-        (planned,) = adopter.find(8)
-        shard.write_bytes(b"y" * 60_000)  # grew: read as listed, then the size check catches it
+        changes.append(b"y" * 60_000)  # grew: read as listed, then the size check catches it
         with pytest.raises(IncompleteCheckpointError, match="vanished or changed size"):
-            adopter.commit(planned, {}, None)
+            store.adopt(8)
         assert store.list() == [] and shard.exists()
+        assert changes == []  # both changes happened after planning
 
 
 def test_a_step_being_removed_is_not_adopted(

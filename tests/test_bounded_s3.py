@@ -391,7 +391,7 @@ def test_timeouts_are_validated(name: str, value: Any) -> None:
 
 def test_stall_timeout_bounds_botocores_socket_timeouts(s3_uri: str, s3_endpoint: str) -> None:
     backend = S3Backend(s3_uri, {"endpoint_url": s3_endpoint, "stall_timeout": 4})
-    config = backend._client.meta.config
+    config = backend.client.meta.config
     assert (config.read_timeout, config.connect_timeout) == (4, 4)
     assert config.retries == {"mode": "standard", "total_max_attempts": 1}  # retries are ours
     backend.close()

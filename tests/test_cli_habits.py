@@ -152,7 +152,7 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[CheckpointStore]:
 
 
 def _region(store: CheckpointStore) -> str:
-    return str(store.backend._client.meta.region_name)  # type: ignore[attr-defined]
+    return str(store.backend.client.meta.region_name)  # type: ignore[attr-defined]
 
 
 def test_region_reaches_the_s3_client_before_or_after_the_command(

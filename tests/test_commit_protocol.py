@@ -30,7 +30,7 @@ from ckptstore.errors import (
 )
 from faults import FaultyBackend, InjectedFault
 from keys import file_key
-from parts import committer_for
+from parts import committer_for, pointer_step
 
 StoreFactory = Callable[..., CheckpointStore]
 
@@ -106,7 +106,7 @@ def test_concurrent_commits_of_one_step_let_exactly_one_win(make_store: StoreFac
     outcomes: list[str] = []
 
     def commit(writer: str) -> None:
-        manifest = Manifest(3, 1.0, KIND_DIRECTORY, tuple(entries), store._env(), writer)
+        manifest = Manifest(3, 1.0, KIND_DIRECTORY, tuple(entries), store.environment, writer)
         try:
             committer_for(store.backend, writer=writer).commit(manifest)
             outcomes.append("won")
@@ -167,8 +167,7 @@ def test_concurrent_writers_never_lose_the_newest_step(make_store: StoreFactory)
         t.join()
     assert not errors
     store = make_store()
-    pointer, _ = store._catalog.read_pointer()  # the pointer itself, not the listing fallback
-    assert pointer is not None and pointer.step == 23
+    assert pointer_step(store.backend) == 23  # the pointer itself, not the listing fallback
     assert [i.step for i in store.list()] == list(range(24))
 
 
@@ -189,14 +188,14 @@ def test_missing_or_broken_latest_falls_back_to_listing(
         assert "latest" in caplog.text
         caplog.clear()
     store.save(3, state_for(3))  # a broken pointer is repaired by the next save
-    assert store._catalog.read_pointer()[0].step == 3  # type: ignore[union-attr]
+    assert pointer_step(store.backend) == 3
 
 
 def test_latest_pointing_at_a_deleted_step_falls_back(make_store: StoreFactory) -> None:
     store = make_store()
     store.save(1, state_for(1))
     store.save(2, state_for(2))
-    store._remover.uncommit(2)  # behind the store's back: the pointer dangles
+    committer_for(store.backend).remover.uncommit(2)  # behind the store's back: the pointer dangles
     assert store.latest().step == 1  # type: ignore[union-attr]
     assert_state_is(store.load(), 1)
 
@@ -217,7 +216,7 @@ def test_retention_keeps_latest_pins_and_newer_steps(make_store: StoreFactory) -
     entries = other.write_payload(60, [SourceFile("x", lambda: [b"x"])])
     from ckptstore.domain.manifest import KIND_DIRECTORY, Manifest
 
-    other.commit(Manifest(60, 1.0, KIND_DIRECTORY, tuple(entries), store._env(), "other"))
+    other.commit(Manifest(60, 1.0, KIND_DIRECTORY, tuple(entries), store.environment, "other"))
     assert store.prune() == [40]  # keep_last=2 keeps 50 and 60; 50 is latest anyway
     assert [i.step for i in store.list()] == [20, 50, 60]
     store.backend.delete([LATEST_NAME])

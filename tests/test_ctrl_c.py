@@ -165,13 +165,13 @@ FOLLOWER = textwrap.dedent(
         "way-out": error_on_the_way_out,
     }
     if trap == "pool-semaphore":
-        sys.modules["ckptstore.cli.main"].SECOND_CTRL_C = 2.0  # the module, not main()
+        sys.modules["ckptstore.cli.interrupt"].SECOND_CTRL_C = 2.0  # the module, not main()
     if trap == "heartbeat-start":
         in_the_heartbeat_start()  # armed before the follow takes the lease
     if trap == "lock-file":
-        import ckptstore.protocol.lease
+        import ckptstore.protocol.lease_release
 
-        ckptstore.protocol.lease.HURRIED_RELEASE = 1.0
+        ckptstore.protocol.lease_release.HURRIED_RELEASE = 1.0
         in_a_lock_file()  # armed before the first pass commits
     follow = replicate.follow
 
@@ -360,7 +360,7 @@ def interrupted(cleanup: Any) -> None:
 def test_a_release_while_a_ctrl_c_unwinds_waits_seconds_not_forever(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("ckptstore.protocol.lease.HURRIED_RELEASE", 0.5)
+    monkeypatch.setattr("ckptstore.protocol.lease_release.HURRIED_RELEASE", 0.5)
     backend = Stuck(LocalBackend(str(tmp_path / "store"), {}))
     lease = WriterLease(backend, "writer-a", heartbeat=False)
     lease.hold()

@@ -142,11 +142,11 @@ def test_a_fenced_writers_step_is_never_resumed_from(
     zombie = CheckpointStore(uri)
     for step in (1, 2):
         face.save(zombie, step, scratch)
-    assert zombie._lease is not None
+    assert zombie.lease is not None
     epoch = zombie.hold_lease()
     replacement = CheckpointStore(uri, takeover=True)
     # the zombie's last renewal landed just before the takeover: it commits step 3 after it
-    monkeypatch.setattr(zombie._lease, "hold", lambda: epoch)
+    monkeypatch.setattr(zombie.lease, "hold", lambda: epoch)
     with pytest.raises(BaseException, match="newer writer lease"):  # DCP: a BaseException
         face.save(zombie, 3, scratch)
     assert zombie.backend.stat("global_step_3/ckptstore.manifest.json") is not None

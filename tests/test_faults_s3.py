@@ -90,7 +90,7 @@ def test_max_attempts_bounds_every_request_and_body_read(
 ) -> None:
     proxy = make_proxy(rate=1.0, faults=("503",), operations=frozenset({"HeadObject"}))
     backend = S3Backend(s3_uri, options(proxy, max_attempts=attempts))
-    assert backend._client.meta.config.retries == {"mode": "standard", "total_max_attempts": 1}
+    assert backend.client.meta.config.retries == {"mode": "standard", "total_max_attempts": 1}
     with pytest.raises(BackendError, match="after retries") as caught:
         backend.stat("x")
     assert caught.value.retryable

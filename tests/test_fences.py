@@ -69,13 +69,13 @@ def test_a_tiered_job_that_takes_over_has_its_persisted_steps_resumed_from(
     zombie = CheckpointStore(uri, local=str(tmp_path / "node-a"), persist_every=1)
     zombie.save(1, state(1))
     zombie.wait()
-    assert zombie._lease is not None
+    assert zombie.lease is not None
     epoch = zombie.hold_lease()
     successor = CheckpointStore(uri, local=str(tmp_path / "node-b"), takeover=True)
     # the zombie's last renewal landed just before the takeover: it commits step 2 locally,
     # and its persist commits it in the store, in the round trip after that renewal
-    monkeypatch.setattr(zombie._lease, "hold", lambda: epoch)
-    monkeypatch.setattr(zombie._lease, "ensure", lambda: epoch)
+    monkeypatch.setattr(zombie.lease, "hold", lambda: epoch)
+    monkeypatch.setattr(zombie.lease, "ensure", lambda: epoch)
     zombie.save(2, state(2))
     with pytest.raises(FencedError, match=r"step 2 of the local tier was committed by .* after "
                        r"it lost the writer lease; it is not persisted"):  # fmt: skip

@@ -50,11 +50,11 @@ def test_nothing_is_visible_while_a_write_streams(backend: FsspecBackend) -> Non
 
     backend.write("x", chunks())
     assert backend.read("x") == b"new content"
-    assert not [k for k in backend.fs.find(backend._root) if TMP_PREFIX in k]
+    assert not [k for k in backend.fs.find(backend.root) if TMP_PREFIX in k]
 
 
 def test_stray_temp_files_are_partial_writes(backend: FsspecBackend) -> None:
-    backend.fs.pipe_file(f"{backend._root}/step/{TMP_PREFIX}abc-model.pt", b"half")
+    backend.fs.pipe_file(f"{backend.root}/step/{TMP_PREFIX}abc-model.pt", b"half")
     assert list(backend.list("")) == []
     (stray,) = backend.partial_writes("")
     assert stray.path == f"step/{TMP_PREFIX}abc-model.pt"

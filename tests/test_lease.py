@@ -28,6 +28,7 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
 from ckptstore.domain.layout import LEASE_NAME
 from ckptstore.errors import ConfigError, FencedError, LeaseHeldError
+from ckptstore.protocol.commit import Committer
 from ckptstore.protocol.lease import DEFAULT_TTL, WriterLease
 from ckptstore.protocol.lease_record import LeaseRecord, Process, _proc_stat
 from lease_helpers import (
@@ -39,6 +40,7 @@ from lease_helpers import (
     start,
     write_record,
 )
+from parts import committer_for
 
 Uri = tuple[str, dict[str, Any]]
 
@@ -173,9 +175,11 @@ def test_a_fenced_writer_cannot_move_latest_even_past_its_check(store_uri: Uri) 
     zombie = open_store(store_uri)
     zombie.save(1, {"step": 1})
     replacement = open_store(store_uri, takeover=True)  # takes over, stamps latest
-    assert zombie._lease is not None and zombie._lease.epoch is not None
+    assert zombie.lease is not None and zombie.lease.epoch is not None
     with pytest.raises(FencedError, match="newer writer lease"):
-        zombie._committer.advance_latest(5, epoch=zombie._lease.epoch)
+        committer_for(zombie.backend, writer=zombie.writer).advance_latest(
+            5, epoch=zombie.lease.epoch
+        )
     assert latest_step(replacement) == 1
 
 
@@ -187,12 +191,13 @@ def test_a_takeover_keeps_the_step_a_killed_holder_committed_before_moving_lates
     crashed = open_store(store_uri)
     crashed.save(1, {"step": 1})
 
-    def killed(step: int, **_: Any) -> bool:
+    def killed(self: Committer, step: int, **_: Any) -> bool:
         raise KeyboardInterrupt("killed before moving latest")
 
-    crashed._committer.advance_latest = killed  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        crashed.save(2, {"step": 2})
+    with pytest.MonkeyPatch.context() as patch:  # the one place between commit and pointer
+        patch.setattr(Committer, "advance_latest", killed)
+        with pytest.raises(KeyboardInterrupt):
+            crashed.save(2, {"step": 2})
     assert latest_step(open_store(store_uri, lease=False)) == 2  # by listing, before takeover
     successor = open_store(store_uri, takeover=True)
     assert successor.fenced_steps() == []
@@ -415,7 +420,7 @@ def test_a_heartbeat_that_finds_the_lease_taken_fences_the_writer(store_uri: Uri
     thief = contender(zombie.backend, takeover=True)
     thief.hold()
     deadline = time.monotonic() + 5
-    while zombie._lease is not None and zombie._lease.lost is None:
+    while zombie.lease is not None and zombie.lease.lost is None:
         assert time.monotonic() < deadline, "the heartbeat did not notice"
         time.sleep(0.02)
     with pytest.raises(FencedError, match=f"taken by {thief.writer}"):

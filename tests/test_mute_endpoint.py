@@ -278,7 +278,7 @@ def test_first_byte_timeout_is_validated() -> None:
 def test_any_answer_marks_the_endpoint_answered(s3_uri: str, s3_options: dict[str, object]) -> None:
     """A 404 is an answer: from then on the endpoint's requests follow the usual rules."""
     backend = S3Backend(s3_uri, s3_options)
-    rate = backend._transfers.retrier.rate  # shared by the process's backends of the bucket
+    rate = backend.retrier.rate  # shared by the process's backends of the bucket
     rate.answered = False
     assert backend.stat("nothing-here") is None
     assert rate.answered

@@ -17,7 +17,7 @@ from ckptstore.backends.s3_options import OPTIONS as S3_OPTIONS
 from ckptstore.errors import ConfigError
 from ckptstore.options import CLI, VERL, StoreOptions, refuse_unknown
 
-INJECTED = {"options", "backend", "clock", "observer", "writer"}
+INJECTED = {"options", "backend", "clock", "observer", "writer", "environment"}
 """CheckpointStore's keywords that are no StoreOptions field: parts handed in whole."""
 
 

@@ -405,8 +405,8 @@ def test_a_fenced_source_step_is_never_replicated(
     zombie.save(1, state(1))
     epoch = zombie.hold_lease()
     replacement = CheckpointStore(uri, takeover=True)
-    assert zombie._lease is not None
-    monkeypatch.setattr(zombie._lease, "hold", lambda: epoch)  # its renewal landed just before
+    assert zombie.lease is not None
+    monkeypatch.setattr(zombie.lease, "hold", lambda: epoch)  # its renewal landed just before
     with pytest.raises(ConflictError, match="newer writer lease"):
         zombie.save(2, state(2))
     assert replacement.fenced_steps() == [2]

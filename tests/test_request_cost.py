@@ -34,7 +34,7 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """10,000 committed steps (manifests without payload files) and ``latest`` at the last."""
     root = tmp_path_factory.mktemp("cost") / "store"
     seed = CheckpointStore(str(root), lease=False)
-    environment = seed._env()
+    environment = seed.environment
     for n in range(1, STEPS + 1):
         manifest = Manifest(n * EVERY, float(n), KIND_STATE, (), environment, "seed")
         target = root / layout.manifest_path(n * EVERY)
@@ -216,7 +216,7 @@ def test_a_process_that_only_stages_never_probes_s3(
         counts[event_name.rsplit(".", 1)[-1]] += 1
 
     with CheckpointStore(s3_uri, storage_options=s3_options, lease=False) as stager:
-        stager.backend._client.meta.events.register("before-send.s3", count)  # type: ignore[attr-defined]
+        stager.backend.client.meta.events.register("before-send.s3", count)  # type: ignore[attr-defined]
         entries = stager.stage_files(1, staged_files(b"x"), kind=KIND_STATE)
         assert counts == Counter({"PutObject": 1 + 2}), counts
         rival = stager.stage_files(1, staged_files(b"y"), kind=KIND_STATE)

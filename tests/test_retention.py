@@ -429,7 +429,7 @@ def test_a_failing_user_policy_never_fails_a_save_and_deletes_nothing(
 
 def write_manifest(root: Path, step: int, created: float, **metadata: Any) -> None:
     """A step committed by another writer, which has not moved ``latest`` to it (yet)."""
-    environment = CheckpointStore(str(root), lease=False)._env()
+    environment = CheckpointStore(str(root), lease=False).environment
     manifest = Manifest(step, created, KIND_STATE, (), environment, "other", metadata=metadata)
     target = root / layout.manifest_path(step)
     target.parent.mkdir(parents=True)

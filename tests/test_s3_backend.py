@@ -161,13 +161,13 @@ def test_accepted_option_spellings(s3_endpoint: str) -> None:
             "checksums": False,
         },
     )
-    config = b._client.meta.config
+    config = b.client.meta.config
     assert config.retries == {"mode": "standard", "total_max_attempts": 1}  # ours retry
-    assert b._transfers.retrier.policy.attempts == 2
+    assert b.retrier.policy.attempts == 2
     assert config.read_timeout == 30
     assert config.s3 == {"addressing_style": "path", "payload_signing_enabled": False}
-    assert b._client.meta.region_name == "eu-west-1"
-    assert b._client.meta.endpoint_url == s3_endpoint
+    assert b.client.meta.region_name == "eu-west-1"
+    assert b.client.meta.endpoint_url == s3_endpoint
     b.close()
 
 
@@ -196,7 +196,7 @@ def test_credentials_never_show(
     secrets = {"key": "AKIASHOWNOWHERE", "secret": "s3cr3t-value", "token": "t0ken-value"}
     caplog.set_level(logging.DEBUG, logger="ckptstore")
     b = S3Backend(s3_uri, {"endpoint_url": s3_endpoint, **secrets})
-    texts = [repr(b), b.uri, str(b._opts)]
+    texts = [repr(b), b.uri]  # the repr shows the parsed options too
     b.write("x", [b"1"])
     b.create("m", b"1")
     for action in (lambda: b.create("m", b"2"), lambda: b.read("missing")):
@@ -298,7 +298,7 @@ def test_delete_reports_per_key_errors(
 def test_delete_batches_of_1000(s3_uri: str, s3_options: dict[str, Any], s3_client: Any) -> None:
     b = make(s3_uri, s3_options, s3_client)
     b.delete([f"k{i}" for i in range(2500)])
-    assert [name for name, _ in b._client.calls].count("delete_objects") == 3
+    assert [name for name, _ in b.client.calls].count("delete_objects") == 3
 
 
 # -- multipart --------------------------------------------------------------------------------
@@ -450,7 +450,7 @@ def test_probe_on_moto_finds_conditional_writes_and_cleans_up(
     assert caps.atomic_swap
     assert not caps.server_checksums  # moto accepts a wrong CRC32C
     assert caps.server_side_copy
-    probes = [key for _, key in b._client.calls if "/.ckptstore/probe-" in key]
+    probes = [key for _, key in b.client.calls if "/.ckptstore/probe-" in key]
     assert probes
     assert len(set(probes)) == 1
     keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
@@ -481,7 +481,7 @@ def test_readers_never_probe(s3_uri: str, s3_options: dict[str, Any], s3_client:
     list(b.list(""))
     b.list_dirs("")
     reads = {"get_object", "head_object", "list_objects_v2"}
-    assert {name for name, _ in b._client.calls} <= reads
+    assert {name for name, _ in b.client.calls} <= reads
 
 
 def drop_conditions(real: Any) -> Any:

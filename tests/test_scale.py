@@ -127,7 +127,7 @@ def _save_twice(rank: int, world: int, uri: str, options: dict[str, Any]) -> lis
 
     out = []
     with CheckpointStore(uri, storage_options=options, lease=rank == 0) as store:
-        store.backend._client.meta.events.register("before-send.s3", count)  # type: ignore[attr-defined]
+        store.backend.client.meta.events.register("before-send.s3", count)  # type: ignore[attr-defined]
         for step in (1, 2):
             info = save_distributed(store, step, {"w": torch.full((64,), float(rank + step))})
             mine = [f for f in info.files if f.path.startswith(rank_dir(rank) + "/")]

@@ -17,7 +17,7 @@ from ckptstore.data.payload import SourceFile
 from ckptstore.domain.layout import LATEST_NAME, manifest_path, payload_path, pin_path, step_dir
 from ckptstore.errors import CompatibilityError, ConfigError
 from keys import file_key
-from parts import committer_for
+from parts import committer_for, pointer_step
 
 
 def state_for(step: int) -> dict[str, Any]:
@@ -143,7 +143,7 @@ def test_delete_protects_latest_and_pins_unless_forced(store: CheckpointStore) -
     assert [i.step for i in store.list()] == [1, 3]
     store.delete(3, force=True)  # latest goes back to the newest step left
     assert store.latest().step == 1  # type: ignore[union-attr]
-    assert store._catalog.read_pointer()[0].step == 1  # type: ignore[union-attr]
+    assert pointer_step(store.backend) == 1
     store.delete(1, force=True)
     assert store.backend.stat(pin_path(1)) is None
     assert store.backend.stat(LATEST_NAME) is None and store.latest() is None
@@ -190,9 +190,9 @@ def test_version_mismatch_follows_compat(
 ) -> None:
     from dataclasses import replace
 
-    written = replace(store._env(), torch="1.13.1", ckptstore="0.0.1")
-    store._environment = written
-    store.save(1, state_for(1))
+    written = replace(store.environment, torch="1.13.1", ckptstore="0.0.1")
+    with CheckpointStore(store.uri, backend=store.backend, environment=written) as writer:
+        writer.save(1, state_for(1))
     reader = CheckpointStore(store.uri, backend=store.backend, compat=mode)
     if mode == "strict":
         with pytest.raises(CompatibilityError) as caught:

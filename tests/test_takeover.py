@@ -81,7 +81,7 @@ def test_a_fenced_heartbeat_leaves_the_new_record_alone(
     old = opener()
     old.save(1, state(1))
     new = opener(takeover=True)
-    assert old._lease is not None and not old._lease.heartbeat()  # finds out: fenced
+    assert old.lease is not None and not old.lease.heartbeat()  # finds out: fenced
     old.close()
     new.save(2, state(2))
     assert (record(new).epoch, record(new).holder) == (2, new.writer)

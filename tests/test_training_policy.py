@@ -182,7 +182,7 @@ def test_sigterm_saves_at_the_next_step_and_is_passed_on(
     run = Tiny()
     with CheckpointStore(uri, storage_options=options) as store:
         callback = CheckpointCallback(store, save_freq=2)
-        assert signal.getsignal(signal.SIGTERM) == callback._signals._on_signal
+        assert signal.getsignal(signal.SIGTERM) == callback.signals.handle
         for step in (1, 2, 3):
             run.step()
             callback.on_step(step, run.model, run.optimizer, metrics={"loss": 0.5})
@@ -201,7 +201,7 @@ def test_sigterm_saves_at_the_next_step_and_is_passed_on(
         assert recorder == []
         callback.on_step(5, run.model, run.optimizer)  # the loop went on: the signal is passed on
         assert recorder == [signal.SIGTERM]
-        assert signal.getsignal(signal.SIGTERM) != callback._signals._on_signal
+        assert signal.getsignal(signal.SIGTERM) != callback.signals.handle
         callback.on_step(6, run.model, run.optimizer)  # passed on once; the schedule goes on
         callback.close()
         assert recorder == [signal.SIGTERM]
@@ -235,7 +235,7 @@ def test_a_due_step_is_saved_once_when_preempted(tmp_path: Path, recorder: list[
             assert callback.preempted
         assert reasons(store) == {2: "preempted"}  # and the exit's final save skipped it
         handler = signal.getsignal(signal.SIGTERM)
-        assert handler not in (callback._signals._on_signal, signal.SIG_DFL)
+        assert handler not in (callback.signals.handle, signal.SIG_DFL)
 
 
 def test_a_failed_save_before_preemption_does_not_prevent_its_save(
@@ -261,9 +261,9 @@ def test_close_restores_the_previous_handler(tmp_path: Path, recorder: list[int]
         first = CheckpointCallback(store, 5)
         second = CheckpointCallback(store, 5)
         first.close()  # out of order: the newer handler stays
-        assert signal.getsignal(signal.SIGTERM) == second._signals._on_signal
+        assert signal.getsignal(signal.SIGTERM) == second.signals.handle
         second.close()
-        assert signal.getsignal(signal.SIGTERM) == first._signals._on_signal  # what second found
+        assert signal.getsignal(signal.SIGTERM) == first.signals.handle  # what second found
         signal.raise_signal(signal.SIGTERM)  # the closed one forwards to what it found
         assert recorder == [signal.SIGTERM] and not first.preempted
         CheckpointCallback(store, 5, preemption_signals=()).close()

@@ -238,8 +238,7 @@ def test_a_node_without_agent_commits_nothing(tmp_path: Path, uri: str) -> None:
 def test_a_failing_node_commits_nothing_and_leaves_no_staged_files(
     tmp_path: Path, uri: str
 ) -> None:
-    nodes, fleet = two_nodes(tmp_path, uri)
-    cb = callback(verl_config(nodes[0], uri, max_failed_saves=1), fleet)
+    nodes, _ = two_nodes(tmp_path, uri)
     fake_save(nodes, 1)
 
     class Broken(NodeAgent):
@@ -247,7 +246,7 @@ def test_a_failing_node_commits_nothing_and_leaves_no_staged_files(
             raise BackendError("node 1 lost its network")
 
     broken = LocalFleet({"n0": NodeAgent(str(nodes[0]), uri, {}), "n1": Broken(str(nodes[1]), uri)})
-    cb._fleet = broken
+    cb = callback(verl_config(nodes[0], uri, max_failed_saves=1), broken)
     with pytest.raises(CheckpointError, match="lost its network") as caught:
         cb.on_save(global_step=1, checkpoint_dir=str(nodes[0] / "global_step_1"))
     assert isinstance(caught.value.__cause__, BackendError)

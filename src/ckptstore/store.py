@@ -4,6 +4,10 @@ A save is the coordinated save of one participant (coordination.py, saving.py); 
 the resolver (resolver.py) which step, then reads every byte verified (loading.py); many-step
 operations are maintenance.py's, pruning.py's and garbage.py's. None of it knows HTTP or file
 descriptors; backends do. Options are validated once, by :class:`~ckptstore.options.StoreOptions`.
+
+The facade is split by concern: this module saves and loads one step; store_staging.py is the
+multi-process save's face, store_upkeep.py the many-step operations', and store_engines.py
+holds the engines wiring.py built.
 """
 
 from __future__ import annotations
@@ -18,29 +22,25 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
-from ckptstore.core.coordination import Coordinator, stage
 from ckptstore.core.observer import SaveObserver
-from ckptstore.core.resolver import LOCAL, Resolved
+from ckptstore.core.resolver import Resolved
 from ckptstore.data.background import SaveHandle
 from ckptstore.data.loading import download_step, load_state
-from ckptstore.data.payload import Progress, SourceFile
+from ckptstore.data.payload import Progress
 from ckptstore.data.transfer import check_target
 from ckptstore.domain import layout
 from ckptstore.domain.compat import check_compat
-from ckptstore.domain.environment import current_environment, world_size
 from ckptstore.domain.info import CheckpointInfo, Loaded
-from ckptstore.domain.manifest import KIND_DIRECTORY, Environment, FileEntry
-from ckptstore.domain.plan import Plan
+from ckptstore.domain.manifest import Environment
 from ckptstore.domain.retention import Policy
 from ckptstore.errors import ConfigError
 from ckptstore.options import StoreOptions
 from ckptstore.protocol.catalog import Catalog
-from ckptstore.protocol.commit import Previous
 from ckptstore.protocol.lease import DEFAULT_TTL
 from ckptstore.replication.follow import DEFAULT_INTERVAL, wait_for_step
+from ckptstore.store_staging import StoreStaging
 from ckptstore.store_upkeep import StoreUpkeep
-from ckptstore.tiers.local import TieredFiles, tier_listing
-from ckptstore.tiers.persister import Persister
+from ckptstore.tiers.local import tier_listing
 from ckptstore.wiring import assemble
 
 if TYPE_CHECKING:
@@ -50,40 +50,32 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class CheckpointStore(StoreUpkeep):
+class CheckpointStore(StoreStaging, StoreUpkeep):
     """Atomic, verified checkpoints under one URI (local path, NFS, ``s3://``, fsspec URL)."""
 
+    # fmt: off
     def __init__(
-        self,
-        uri: str,
-        *,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: str | None = None,
-        keep_every_seconds: float | None = None,
+        self, uri: str, *,
+        # retention
+        keep_last: int | None = None, keep_every: int | None = None,
+        keep_best: int | None = None, best_metric: str | None = None,
+        best_mode: str | None = None, keep_every_seconds: float | None = None,
         retention: Policy | Sequence[Policy] | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        compat: str = "warn",
-        shard_size: int = layout.DEFAULT_SHARD_SIZE,
-        incremental: bool = True,
-        lease: bool = True,
-        takeover: bool = False,
-        lease_ttl: float = DEFAULT_TTL,
+        # storage and the files of a step
+        storage_options: Mapping[str, Any] | None = None, compat: str = "warn",
+        shard_size: int = layout.DEFAULT_SHARD_SIZE, incremental: bool = True,
+        # the writer lease, signing, deadlines
+        lease: bool = True, takeover: bool = False, lease_ttl: float = DEFAULT_TTL,
         signing_key: bytes | str | None = None,
-        save_timeout: float | None = None,
-        load_timeout: float | None = None,
-        local: str | None = None,
-        local_keep_last: int | None = None,
-        persist_every: int | None = None,
-        persist_interval_seconds: float | None = None,
+        save_timeout: float | None = None, load_timeout: float | None = None,
+        # a local tier in front of the store
+        local: str | None = None, local_keep_last: int | None = None,
+        persist_every: int | None = None, persist_interval_seconds: float | None = None,
         replicas: int = 0,
-        options: StoreOptions | None = None,
-        backend: Backend | None = None,
-        clock: Callable[[], float] = time.time,
-        observer: SaveObserver | None = None,
-        writer: str | None = None,
+        # all of the above as one object, or injected parts
+        options: StoreOptions | None = None, backend: Backend | None = None,
+        clock: Callable[[], float] = time.time, observer: SaveObserver | None = None,
+        writer: str | None = None, environment: Environment | None = None,
         **unknown: Any,
     ) -> None:
         """Open the store at ``uri``; nothing is written until the first save.
@@ -104,26 +96,16 @@ class CheckpointStore(StoreUpkeep):
 
         Injected parts: ``backend`` (a backend object instead of opening ``uri``), ``clock``
         (time), ``observer`` (told of every save and failure), ``writer`` (the id this store
-        writes as; default a new ``host:pid:random``).
+        writes as; default a new ``host:pid:random``), ``environment`` (what manifests record
+        of this process; default read on first use: :attr:`environment`).
         """
         # First, before any other local: every parameter by name, each option forwarded from it.
         self.options = opts = StoreOptions.from_call(CheckpointStore.__init__, locals(), options)
         self.retention, self.compat, self.clock = opts.policy, opts.compat, clock
         self.backend = backend or open_backend(uri, opts.storage_options)
-        self.uri = self.backend.uri
-        self._environment: Environment | None = None
-        parts = assemble(
-            self.backend, opts, clock=clock, environment=self._env, observer=observer, writer=writer
-        )
-        self.writer, self.signer = parts.writer, parts.signer
-        (self._catalog, self._remover, self._committer, self._resolver, self._lease,
-         self._pruner, self._maintenance, self._replica, self._async, self._saver,
-         self._adopter, self._local, self._tiers) = (
-            parts.catalog, parts.remover, parts.committer, parts.resolver, parts.lease,
-            parts.pruner, parts.maintenance, parts.replica, parts.in_flight, parts.saver,
-            parts.adopter, parts.local, parts.persister,
-        )  # fmt: skip
-        self._files = TieredFiles(self._resolver.tiers)
+        self.uri, self._environment = self.backend.uri, environment
+        self._attach(assemble(self.backend, opts, clock=clock, environment=self._env,
+                              observer=observer, writer=writer))  # fmt: skip
         _refuse_step_directory(uri, self._catalog)
         self.last_loaded: CheckpointInfo | None = None
         """The step the last ``load`` returned (it may fall back past a corrupt latest)."""
@@ -131,6 +113,7 @@ class CheckpointStore(StoreUpkeep):
             self._lease.release_when_collected(self)  # a dropped store lets the lease go
             if opts.takeover:
                 self._lease.hold()  # fence the old holder now, before this job loads anything
+    # fmt: on
 
     def __repr__(self) -> str:
         local = f", local={self._local.uri!r}" if self._local is not None else ""
@@ -159,30 +142,6 @@ class CheckpointStore(StoreUpkeep):
                 self.backend.close()
                 if self._local is not None:
                     self._local.catalog.backend.close()
-
-    @property
-    def tiers(self) -> Persister | None:
-        """With a local tier, what multi-rank faces join each step through (tiers.py)."""
-        return self._tiers
-
-    @property
-    def local_uri(self) -> str | None:
-        """The local tier's URI (where this process stages its files), if the store has one."""
-        return self._local.uri if self._local is not None else None
-
-    @property
-    def shard_size(self) -> int:
-        """Tensor bytes per safetensors file; a state's files are written in parallel."""
-        return self._saver.shard_size
-
-    @property
-    def incremental(self) -> bool:
-        """Copy files unchanged since the latest step instead of uploading them again."""
-        return self._saver.incremental
-
-    @incremental.setter
-    def incremental(self, value: bool) -> None:
-        self._saver.incremental = value
 
     # -- writing -------------------------------------------------------------------------
 
@@ -230,15 +189,6 @@ class CheckpointStore(StoreUpkeep):
         if self._tiers is not None:
             self._tiers.wait()
 
-    def _writing(self, step: int, persist: bool = False) -> int:
-        """Before a save: with a local tier, resume the copies a kill interrupted (once) and
-        mark ``step`` due if asked."""
-        if self._tiers is not None:
-            self._tiers.start()
-            if persist:
-                self._tiers.force(step)
-        return step
-
     def push_dir(
         self,
         step: int,
@@ -251,61 +201,6 @@ class CheckpointStore(StoreUpkeep):
         """Commit every file under ``local_dir`` as ``step`` (a verl ``global_step_N`` dir)."""
         step = self._writing(layout.check_step(step))
         return self._saver.push_dir(step, Path(local_dir), metadata, progress, allow_older)
-
-    # -- multi-process saves (coordination.py) -----------------------------------------------
-
-    def begin_save(
-        self,
-        step: int,
-        *,
-        kind: str = KIND_DIRECTORY,
-        metadata: Mapping[str, Any] | None = None,
-        allow_older: bool = False,
-        persist: bool = False,
-    ) -> Coordinator:
-        """Begin a multi-process save on its coordinator (coordination.py): hand each
-        participant its cut of ``.plan``, then ``.commit(entries)`` or ``.conclude(reports)``.
-        ``persist`` as for :meth:`save`."""
-        step = self._writing(layout.check_step(step), persist)
-        return self._saver.begin(step, kind, metadata=metadata, allow_older=allow_older)
-
-    # fmt: off
-    def stage_files(self, step: int, files: Iterable[SourceFile], *, plan: Plan | None = None,
-                    kind: str = KIND_DIRECTORY, progress: Progress | None = None,
-                    rank: int | None = None) -> builtins.list[FileEntry]:
-        """On a participant (its store opened with ``lease=False``): upload files of ``step``
-        uncommitted, reusing unchanged files the coordinator's ``plan`` names; the entries."""
-        step = layout.check_step(step)
-        if plan is None:
-            epoch = self._lease.epoch or 0 if self._lease is not None else 0
-            plan = Plan(step, kind, epoch, Previous(None), seconds=self.options.save_timeout)
-        return stage(self._saver, plan, files, progress, rank=rank)
-    # fmt: on
-
-    # fmt: off
-    def commit_files(self, step: int, entries: Iterable[FileEntry], *,
-                     kind: str = KIND_DIRECTORY, metadata: Mapping[str, Any] | None = None,
-                     world_size: int | None = None, allow_older: bool = False) -> CheckpointInfo:
-        """Commit staged files as ``step`` (``begin_save`` then ``commit``): on failure
-        before the manifest is written, nothing is committed and the files are removed."""
-        step = self._writing(layout.check_step(step))
-        return self._saver.commit_staged(
-            step, kind, tuple(entries), metadata, world_size=world_size, allow_older=allow_older
-        )
-    # fmt: on
-
-    def discard(self, step: int) -> None:
-        """Remove every staged file of an uncommitted ``step`` (never a committed one's)."""
-        self._remover.discard_step(layout.check_step(step))
-
-    def hold_lease(self) -> int:
-        """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""
-        return self._saver.hold_lease()
-
-    def _env(self) -> Environment:
-        if self._environment is None:
-            self._environment = current_environment(world_size=world_size())
-        return self._environment
 
     # -- reading -------------------------------------------------------------------------
 
@@ -368,7 +263,8 @@ class CheckpointStore(StoreUpkeep):
         step together); ``keys=["model"]``: only those parts, reading only their files."""
 
         def load(info: CheckpointInfo) -> Any:
-            check_compat(info.manifest.environment, self._env(), mode=self.compat, where=info.uri)
+            check_compat(info.manifest.environment, self.environment, mode=self.compat,
+                         where=info.uri)  # fmt: skip
             return load_state(self._catalog_of(info), info, allow_pickle=allow_pickle, keys=keys)
 
         found = self._resolve(step, fallback, load)
@@ -381,17 +277,6 @@ class CheckpointStore(StoreUpkeep):
         """Run ``action(info)`` on the step a load starts from (resolver.py), by the load's
         deadline; ``info.tier`` says which tier's copy it is."""
         return self._resolver.resolve(step, fallback, action)
-
-    def _catalog_of(self, info: CheckpointInfo) -> Catalog:
-        """The catalog of the tier ``info`` was found in."""
-        return self._local.catalog if self._local is not None and info.tier == LOCAL else (
-            self._catalog)  # fmt: skip
-
-    def _tiers_from(self, info: CheckpointInfo) -> tuple[Catalog, ...]:
-        """The tiers to fetch ``info``'s files from: its own and the slower ones (a local
-        copy that failed was left for the durable one, which must not lead back to it)."""
-        tiers = self._resolver.tiers
-        return tiers[tiers.index(self._catalog_of(info)) :]
 
     def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
         """One payload file of a committed step, verified against its manifest; with a local

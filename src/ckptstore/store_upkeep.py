@@ -6,38 +6,21 @@ and loading one step."""
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ckptstore.core.resolver import Resolver
-from ckptstore.data.async_saving import AsyncSaver
 from ckptstore.data.payload import Progress
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo, GcReport, VerifyReport
 from ckptstore.domain.manifest import check_metadata
-from ckptstore.protocol.adoption import Adopter, ForeignStep
-from ckptstore.protocol.catalog import Catalog
+from ckptstore.protocol.adoption import ForeignStep
 from ckptstore.protocol.garbage import GC_GRACE_SECONDS, GarbageCollector
-from ckptstore.protocol.maintenance import Maintenance
-from ckptstore.protocol.pruning import Pruner
-from ckptstore.protocol.removal import Remover
-from ckptstore.replication.destination import Replica
 from ckptstore.replication.replicator import Replicable, replicate
+from ckptstore.store_engines import StoreEngines
 
 
-class StoreUpkeep:
+class StoreUpkeep(StoreEngines):
     """Many-step operations of :class:`~ckptstore.store.CheckpointStore`."""
-
-    uri: str
-    clock: Callable[[], float]
-    _catalog: Catalog
-    _remover: Remover
-    _pruner: Pruner
-    _maintenance: Maintenance
-    _replica: Replica
-    _resolver: Resolver
-    _async: AsyncSaver
-    _adopter: Adopter
 
     def verify(self, step: int | None = None) -> VerifyReport:
         """Check every file of ``step`` (default: latest) against its manifest."""
@@ -79,17 +62,6 @@ class StoreUpkeep:
         report = replicate(self, other, steps, progress=progress)
         report.raise_failures()
         return report.copied
-
-    @property
-    def resolver(self) -> Resolver:
-        """Which step a load starts from, and the load's deadline (resolver.py): a face whose
-        load is more than one call runs it all under ``with store.resolver.loading():``."""
-        return self._resolver
-
-    @property
-    def replica(self) -> Replica:
-        """This store as the destination of a replication (replica.py, replication.py)."""
-        return self._replica
 
     def gc(self, dry_run: bool = False, *, older_than: float = GC_GRACE_SECONDS) -> GcReport:
         """Remove what failed saves and interrupted removals left, once proven dead

@@ -69,6 +69,11 @@ class FsspecBackend(BaseBackend):
         return self._uri
 
     @property
+    def root(self) -> str:
+        """The store's path in the filesystem's own terms (``fs.find(root)`` lists it)."""
+        return self._root
+
+    @property
     def capabilities(self) -> Capabilities:
         native_copy = type(self.fs).cp_file is not AbstractFileSystem.cp_file
         return Capabilities(atomic_create=False, atomic_swap=False, server_side_copy=native_copy)

@@ -63,6 +63,7 @@ from ckptstore.backends.s3_namespace import Namespace
 from ckptstore.backends.s3_options import S3Options, parse_s3_uri
 from ckptstore.backends.s3_probe import PROBE_PREFIX, bare, capabilities, probe
 from ckptstore.backends.s3_progress import Progress
+from ckptstore.backends.s3_retry import Retrier
 from ckptstore.backends.s3_transfer import Transfers, crc32c_base64, drain, split
 from ckptstore.errors import CheckpointError, ConfigError, NotFoundError, PreconditionFailedError
 
@@ -124,6 +125,17 @@ class S3Backend(BaseBackend):
     def parallel_writes(self) -> int:
         """``capabilities.parallel_writes`` without the probe: what staging asks (commit.py)."""
         return self._opts.max_concurrency
+
+    @property
+    def client(self) -> Any:
+        """The boto3 client this backend sends with: ``meta`` shows its region, endpoint and
+        retry config, ``meta.events`` takes botocore hooks (a request counter, say)."""
+        return self._client
+
+    @property
+    def retrier(self) -> Retrier:
+        """How this backend's requests are retried and timed out (s3_retry.py)."""
+        return self._transfers.retrier
 
     # -- reads ------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
@@ -163,16 +163,7 @@ def download_step(
     its size (a node's local tier, then the durable one: only what the node lacks is fetched).
     """
     takes = path_filter(include, exclude)
-    entries = [f for f in info.files if takes(f.path)]
-    if not entries:
-        raise ConfigError(
-            f"the filters (include {list(patterns(include))}, exclude {list(patterns(exclude))}) "
-            f"take none of the {len(info.files)} files of step {info.step} of {info.uri}; "
-            "nothing to pull. Patterns match each file's path in the step (ckptstore show "
-            "lists them)",
-            uri=info.uri,
-            step=info.step,
-        )
+    entries = _selected(info, takes, include, exclude)
     where_from = _locate(tiers, info.step, entries)  # before any download
     stop = threading.Event()
 
@@ -183,24 +174,56 @@ def download_step(
         }
 
         def fetch(entry: FileEntry, dest: Path) -> None:
-            path = entry.key(info.step)
-            backend = where_from[path]
-            reader = readers[id(backend)]
-            where = join(backend.uri, path)
-            check = StreamCheck(entry, where=where, step=info.step)
-            try:
-                with closing(reader.chunks(path, entry.size)) as chunks:
-                    tmp, _ = write_temp(dest, _passing(chunks, check, progress))
-            except NotFoundError as e:  # deleted since the listing
-                raise missing_file(where, path, info.step) from e
-            try:
-                check.finish()
-            except BaseException:
-                unlink_quietly(tmp)
-                raise
-            move_into_place(tmp, dest)
+            backend = where_from[entry.key(info.step)]
+            _fetch_file(readers[id(backend)], backend, info.step, entry, dest, progress)
 
         download_dir(entries, target, fetch, force=force, delete=delete, selected=takes, stop=stop)
+
+
+def _selected(
+    info: CheckpointInfo,
+    takes: Callable[[str], bool],
+    include: str | Sequence[str],
+    exclude: str | Sequence[str],
+) -> list[FileEntry]:
+    """The files of ``info`` the filters take; ConfigError, naming the filters, for none."""
+    entries = [f for f in info.files if takes(f.path)]
+    if not entries:
+        raise ConfigError(
+            f"the filters (include {list(patterns(include))}, exclude {list(patterns(exclude))}) "
+            f"take none of the {len(info.files)} files of step {info.step} of {info.uri}; "
+            "nothing to pull. Patterns match each file's path in the step (ckptstore show "
+            "lists them)",
+            uri=info.uri,
+            step=info.step,
+        )
+    return entries
+
+
+def _fetch_file(
+    reader: ChunkReader,
+    backend: Backend,
+    step: int,
+    entry: FileEntry,
+    dest: Path,
+    progress: Progress | None,
+) -> None:
+    """Stream one file into a temp file beside ``dest``, checked as it comes, and rename it
+    to ``dest`` only once it matched its manifest entry."""
+    path = entry.key(step)
+    where = join(backend.uri, path)
+    check = StreamCheck(entry, where=where, step=step)
+    try:
+        with closing(reader.chunks(path, entry.size)) as chunks:
+            tmp, _ = write_temp(dest, _passing(chunks, check, progress))
+    except NotFoundError as e:  # deleted since the listing
+        raise missing_file(where, path, step) from e
+    try:
+        check.finish()
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    move_into_place(tmp, dest)
 
 
 def _locate(

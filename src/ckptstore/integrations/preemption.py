@@ -41,9 +41,11 @@ class PreemptionSignals:
             )
             return
         for number in signals:
-            self._previous[number] = signal.signal(number, self._on_signal)
+            self._previous[number] = signal.signal(number, self.handle)
 
-    def _on_signal(self, number: int, frame: FrameType | None) -> None:
+    def handle(self, number: int, frame: FrameType | None) -> None:
+        """The handler installed for each of the signals: records the first, hands a second
+        (or any, once uninstalled) on."""
         if self._closed:  # closed while a later handler was on top, which put this one back
             self._forward(number, frame)
         elif self.received is not None:  # a second signal: do what was done before us, now
@@ -72,5 +74,5 @@ class PreemptionSignals:
         handler stays in the chain, and forwards what it gets from now on."""
         self._closed = True
         for number, previous in self._previous.items():
-            if signal.getsignal(number) == self._on_signal:
+            if signal.getsignal(number) == self.handle:
                 signal.signal(number, signal.SIG_DFL if previous is None else previous)

@@ -125,7 +125,8 @@ class CheckpointCallback:
         self.last_saved_step: int | None = None
         self._last_save_time = clock()
         self._last_call: tuple[Any, ...] | None = None
-        self._signals = PreemptionSignals(preemption_signals)
+        self.signals = PreemptionSignals(preemption_signals)
+        """The preemption handler (preemption.py): the signal received, the handler installed."""
 
     # -- the loop's calls ----------------------------------------------------------------
 
@@ -144,9 +145,9 @@ class CheckpointCallback:
         Returns the save's handle (async) or info (sync), or None when nothing was saved.
         """
         self._last_call = (step, model, optimizer, scheduler, extra, metrics)
-        if self.preempted and not self._signals.passed_on:
-            self._signals.pass_on()  # the loop did not stop: do what the signal did before us
-        elif self._signals.received is not None and not self.preempted:
+        if self.preempted and not self.signals.passed_on:
+            self.signals.pass_on()  # the loop did not stop: do what the signal did before us
+        elif self.signals.received is not None and not self.preempted:
             return self._save_preempted(step, model, optimizer, scheduler, extra, metrics)
         reason = self._reason(step, metrics)
         if reason is None:
@@ -184,7 +185,7 @@ class CheckpointCallback:
 
     def close(self) -> None:
         """Put the previous signal handlers back, then wait for the save in flight."""
-        self._signals.uninstall()
+        self.signals.uninstall()
         self.store.wait()
 
     def __enter__(self) -> CheckpointCallback:
@@ -326,7 +327,7 @@ class CheckpointCallback:
         extra: Mapping[str, Any] | None,
         metrics: Mapping[str, Any] | None,
     ) -> CheckpointInfo | None:
-        signal_number = self._signals.received
+        signal_number = self.signals.received
         log.warning(
             "%s: preempted (signal %s); saving step %d", self.store.uri, signal_number, step
         )

@@ -13,9 +13,9 @@ changed by compare-and-swap on the object's version:
   watching. Before each commit it renews once more, synchronously; that swap is the fence check.
   It gives the lease up on ``close()``, at interpreter exit and when the store is collected, so
   a script run twice just works. A SIGKILL leaves the record to expire after one TTL. While a
-  Ctrl-C unwinds, and at interpreter exit, giving it up waits :data:`HURRIED_RELEASE` seconds
-  at most (a storage that does not answer must not keep a Ctrl-C from ending the process): the
-  record then expires after one TTL, as after a kill.
+  Ctrl-C unwinds, and at interpreter exit, giving it up waits a few seconds at most (a storage
+  that does not answer must not keep a Ctrl-C from ending the process): the record then
+  expires after one TTL, as after a kill (lease_release.py).
 * A contender never compares its clock with the holder's: clocks of two hosts may be minutes
   apart. If the holder ran on this machine and its process is gone, the contender takes over at
   once. Otherwise it asks the storage for its own "now" (it writes a probe object and compares
@@ -35,22 +35,17 @@ training job.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import contextvars
 import logging
 import math
 import os
-import queue
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
 from ckptstore.backends.base import Backend, join
-from ckptstore.deadline import Deadline, bounded
 from ckptstore.domain import layout
 from ckptstore.errors import (
     BackendError,
@@ -63,6 +58,13 @@ from ckptstore.errors import (
 )
 from ckptstore.protocol.lease_contest import Contender, held_message, lease_context, taken_message
 from ckptstore.protocol.lease_record import LeaseRecord, Process, read_lease
+from ckptstore.protocol.lease_release import (
+    held_here,
+    holding,
+    hurried,
+    let_go,
+    release_when_collected,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +72,6 @@ DEFAULT_TTL = 60.0
 """Seconds without a renewal after which the lease is gone (the heartbeat renews every 1/4)."""
 _ATTEMPTS = 10
 _STOP_WAIT = 10.0
-HURRIED_RELEASE = 5.0
-"""Seconds giving the lease up may take while a Ctrl-C unwinds or the interpreter exits: the
-write runs on a daemon thread under a deadline of its own, and is left behind after that."""
-_HOLDERS: weakref.WeakValueDictionary[tuple[str, str], WriterLease] = weakref.WeakValueDictionary()
-"""The leases this process holds, by store URI and writer id (a tiered store's two tiers share
-one writer id): for a contender in this process, which need not guess, and for the release at
-exit (one hook for all, so nothing piles up)."""
-_ABANDONED: queue.SimpleQueue[WriterLease] = queue.SimpleQueue()
-"""Leases whose store was collected, for the releaser thread (SimpleQueue.put is safe in a
-finalizer, which may run in any thread at any allocation)."""
-_releaser: list[threading.Thread] = []
 
 
 def check_ttl(ttl: object) -> float:
@@ -272,8 +263,7 @@ class WriterLease:
                 continue  # someone renewed or took it meanwhile: look again
             self.epoch, self._record, self._renewed_at = epoch, mine, started
             self._owner_pid = os.getpid()
-            _HOLDERS[self.backend.uri, self.writer] = self
-            _start_releaser()
+            holding(self)
             if record is not None and reason is not None:
                 log.warning(
                     "%s: took the writer lease (epoch %d) from %s: %s; it can no longer commit",
@@ -293,7 +283,7 @@ class WriterLease:
             return "takeover=True"
         holder = record.process()
         if holder and holder.pid == self.process.pid and self.process.same_machine(holder):
-            live = _HOLDERS.get((self.backend.uri, record.holder))
+            live = held_here(self.backend.uri, record.holder)
             if live is not None and live.abandoned:
                 live.release()  # its store was collected: finish that release now, look again
                 return None
@@ -334,7 +324,7 @@ class WriterLease:
         """Give the lease up, so the next writer needs no ``takeover``. Idempotent; runs at
         ``close()``, at interpreter exit and when the store is collected, so it never raises.
         ``hurry`` (default: while a Ctrl-C unwinds) waits for the storage
-        :data:`HURRIED_RELEASE` seconds at most.
+        :data:`~ckptstore.protocol.lease_release.HURRIED_RELEASE` seconds at most.
 
         The record stays, marked released, so the epoch keeps counting up.
         """
@@ -354,10 +344,11 @@ class WriterLease:
             return
         try:
             if self.epoch is not None and self._record is not None:
+                record = self._record
                 if hurry:
-                    self._write_released_soon(self._record)
+                    hurried(lambda: self._write_released(record), self._uri, self._context)
                 else:
-                    self._write_released(self._record)
+                    self._write_released(record)
         except Exception as e:  # at exit or in a finalizer nobody could catch it
             log.warning(
                 "%s: could not release the writer lease (the next writer waits up to %g s, or "
@@ -367,54 +358,14 @@ class WriterLease:
                 e,
             )
         finally:
-            _HOLDERS.pop((self.backend.uri, self.writer), None)
+            let_go(self)
             self.epoch, self._record, self._thread = None, None, None
             self._lock.release()
 
     def release_when_collected(self, owner: object) -> None:
-        """Release when ``owner`` (the store) is garbage-collected, holding no reference to it.
-
-        Not from the finalizer itself: the collector runs in whichever thread allocates, maybe
-        one that the release's own request waits on (an in-process server) or one holding a
-        lock it needs. The finalizer only queues the lease for the releaser thread.
-        """
-        weakref.finalize(owner, self._abandon).atexit = False  # _release_all does exit
-
-    def _abandon(self) -> None:
-        self.abandoned = True
-        _ABANDONED.put(self)
-
-    def _write_released_soon(self, record: LeaseRecord) -> None:
-        """:meth:`_write_released`, waited for :data:`HURRIED_RELEASE` seconds at most: on a
-        daemon thread (a request blocked in a socket, or on a lock, must not hold the process
-        at exit), under a deadline of its own (retries stop by then). Raises what it raised."""
-        done = threading.Event()
-        failed: list[Exception] = []
-
-        def run() -> None:
-            try:
-                with bounded(Deadline.after(HURRIED_RELEASE)):
-                    self._write_released(record)
-            except Exception as e:
-                failed.append(e)
-            finally:
-                done.set()
-
-        context = contextvars.copy_context()
-        try:
-            threading.Thread(
-                target=context.run, args=(run,), name="ckpt-lease-release", daemon=True
-            ).start()
-        except RuntimeError:  # no thread starts at interpreter shutdown (3.12+): here, then
-            run()
-        if not done.wait(HURRIED_RELEASE + 1.0):
-            raise BackendError(
-                f"{self._uri}: the storage did not answer within {HURRIED_RELEASE:g} s",
-                retryable=True,
-                **self._context,
-            )
-        if failed:
-            raise failed[0]
+        """Release when ``owner`` (the store) is garbage-collected, holding no reference to it
+        (by the releaser thread, not the finalizer: lease_release.py)."""
+        release_when_collected(owner, self)
 
     def _write_released(self, record: LeaseRecord) -> None:
         """Mark our record released, by compare-and-swap against our own record's version:
@@ -431,24 +382,3 @@ class WriterLease:
                 current, version, _ = read_lease(self.backend)
                 if current is None or not current.held_by(self.writer, record.epoch):
                     return  # taken over meanwhile: nothing of ours to give up
-
-
-def _start_releaser() -> None:
-    """The thread that releases abandoned leases (started again in a forked child)."""
-    if not any(thread.is_alive() for thread in _releaser):
-        _releaser[:] = [threading.Thread(target=_release_abandoned, name="ckpt-lease-releaser")]
-        _releaser[0].daemon = True
-        _releaser[0].start()
-
-
-def _release_abandoned() -> None:
-    while True:
-        _ABANDONED.get().release()
-
-
-@atexit.register
-def _release_all() -> None:
-    """At interpreter exit, after threading's exit hooks (a pending async save commits first);
-    each release waits :data:`HURRIED_RELEASE` seconds at most."""
-    for lease in list(_HOLDERS.values()):
-        lease.release(hurry=True)
