@@ -1,5 +1,5 @@
-"""Replication (replication.py, replica.py, copying.py): committed steps mirrored from one store
-into another, over HTTP on moto where S3 is involved.
+"""Replication (replication/, data/copying.py): committed steps mirrored from one store into
+another, over HTTP on moto where S3 is involved.
 
 Two endpoints are two moto servers on 127.0.0.1 (the session's and one more; moto keeps one
 in-memory state per process, so bucket names differ, but each side has its own endpoint and

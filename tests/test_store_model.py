@@ -418,7 +418,7 @@ TestStoreModel = StoreModel.TestCase
 TestStoreModel.settings = model_settings(EXAMPLES, STEPS_PER_EXAMPLE)
 
 
-# -- the same store with a local tier in front of it (tiers.py) ----------------------------------
+# -- the same store with a local tier in front of it (tiers/local.py) ------------------------------
 
 PERSIST_EVERY = 2
 LOCAL_KEEP_LAST = 2

@@ -75,7 +75,7 @@ class StoreOptions:
     load_timeout: float | None = None
     """Seconds a load or pull may take before it fails with LoadTimeoutError."""
     local: str | None = None
-    """A local tier in front of the store: a path on fast local disk (tiers.py)."""
+    """A local tier in front of the store: a path on fast local disk (tiers/local.py)."""
     local_keep_last: int | None = None
     """Steps the local tier keeps (default 2), besides those not yet durable."""
     persist_every: int | None = None
@@ -168,7 +168,7 @@ class StoreOptions:
 
     @property
     def persist_policy(self) -> PersistPolicy:
-        """When a local step is due for the store (tiers.py)."""
+        """When a local step is due for the store (tiers/local.py)."""
         return PersistPolicy(self.persist_every, self.persist_interval_seconds)
 
     @property

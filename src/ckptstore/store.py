@@ -128,7 +128,7 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
     def close(self) -> None:
         """Flush the save in flight (raising its error); with a local tier, make the last
         step durable and wait for every copy (raising a failure no later durable step
-        superseded: tiers.py); release the writer lease (so the next job writes without
+        superseded: tiers/local.py); release the writer lease (so the next job writes without
         ``takeover``), then the backends."""
         try:
             self._async.close()
@@ -184,7 +184,7 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
 
     def wait(self) -> None:
         """Wait for the async save in flight and, with a local tier, every copy to the
-        durable tier; raise an error nobody heard of (tiers.py)."""
+        durable tier; raise an error nobody heard of (tiers/local.py)."""
         self._async.drain()
         if self._tiers is not None:
             self._tiers.wait()
@@ -232,7 +232,7 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
     def wait_for_step(self, newer_than: int | None = None, *, timeout: float | None = None,
                       interval: float = DEFAULT_INTERVAL) -> CheckpointInfo:
         """The newest step after ``newer_than`` (default: latest now), once one commits
-        (follow.py); WaitTimeoutError after ``timeout`` seconds."""
+        (replication/follow.py); WaitTimeoutError after ``timeout`` seconds."""
         return wait_for_step(self, newer_than, timeout=timeout, interval=interval)
     # fmt: on
 
@@ -280,7 +280,7 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
 
     def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
         """One payload file of a committed step, verified against its manifest; with a local
-        tier, its local copy where it is good, else the durable one (tiers.py)."""
+        tier, its local copy where it is good, else the durable one (tiers/local.py)."""
         return self._files.read_file(info, path)
 
     # fmt: off

@@ -90,7 +90,7 @@ class StoreEngines:
 
     @property
     def tiers(self) -> Persister | None:
-        """With a local tier, what multi-rank faces join each step through (tiers.py)."""
+        """With a local tier, what multi-rank faces join each step through (tiers/local.py)."""
         return self._tiers
 
     @property

@@ -1,7 +1,7 @@
 """The part of CheckpointStore that acts on many steps at once: verify, pins, retention,
-removal, garbage collection, replication and adoption (maintenance.py, pruning.py, garbage.py,
-replication.py, adoption.py). A base class of the facade, so that store.py stays about saving
-and loading one step."""
+removal, garbage collection, replication and adoption (protocol/maintenance.py, pruning.py,
+garbage.py, adoption.py, replication/replicator.py). A base class of the facade, so that
+store.py stays about saving and loading one step."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ siblings, and the store (store.py) only holds them.
 
 With ``local=``, a LocalTier (the same engines over a local directory, no lease of its own) and
 a second Saver that commits there; the first one becomes the durable tier's, which the
-Persister commits due steps through (tiers.py). Saves go to the front saver, every
+Persister commits due steps through (tiers/local.py). Saves go to the front saver, every
 many-step operation to the durable tier's engines, and the Resolver sees both.
 """
 
@@ -62,7 +62,7 @@ class Parts:
     pruner: Pruner
     maintenance: Maintenance
     replica: Replica
-    """This store as a replication's destination (replica.py)."""
+    """This store as a replication's destination (replication/destination.py)."""
     in_flight: AsyncSaver
     saver: Saver
     """Where saves commit: the local tier's saver in a tiered store, else the store's."""

@@ -105,7 +105,7 @@ def _skip_idle_costs(store: CheckpointStore) -> None:
 
             _ENVIRONMENT.append(current_environment(world_size=1))
         own["_environment"] = _ENVIRONMENT[0]
-    local = own.get("_local")  # a local tier's engines too (tiers.py)
+    local = own.get("_local")  # a local tier's engines too (tiers/local.py)
     for committer, catalog in (
         (own.get("_committer"), own.get("_catalog")),
         (getattr(local, "committer", None), getattr(local, "catalog", None)),
@@ -377,7 +377,7 @@ def _coordinated_discard(w: World) -> list[Actor]:
     return _coordinated(w, frozenset({1}))
 
 
-# -- a local tier in front of the store (tiers.py) ------------------------------------------------
+# -- a local tier in front of the store (tiers/local.py) -------------------------------------------
 
 TIERED = {"persist_every": 2, "local_keep_last": 2}
 """Every second local save is due for the durable tier; the local tier keeps 2 steps."""

@@ -367,7 +367,7 @@ class DeferredExecutor(_Threads):
     """A one-thread pool whose thread is the waiter's: a task runs, in the thread that waits
     for its future (``result``, ``exception``, ``shutdown(wait=True)``), after every task
     submitted before it. For a store's background thread (a local tier's persister,
-    tiers.py), which the code submits to while holding a lock the task takes: run at
+    tiers/local.py), which the code submits to while holding a lock the task takes: run at
     submission, as an InlineExecutor would, it would wait for itself. So a copy in the
     background runs while its store waits for it (``wait()``, ``close()``), and belongs to
     that store's actor; a store that never waits (killed) never runs it."""

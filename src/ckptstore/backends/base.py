@@ -23,7 +23,7 @@ warns once). Every capability is a declared member (``read_into_chunks``, ``para
 :class:`~.proxy.BackendProxy` (fault injection, request counting) runs the same paths as the
 backend it wraps.
 
-Copies between two backends (replication.py) go server-side where one server can do them:
+Copies between two backends (replication/replicator.py) go server-side where one server can do them:
 ``address`` says where an object lives for such a copy and in which *domain* (for S3: one
 endpoint with one set of credentials), and ``copy_in`` copies an address of its own domain
 in. The caller compares domains, so the rule "same server, same credentials" is decided once,

@@ -1,12 +1,12 @@
 """``ckptstore cp`` and ``ckptstore replicate``: committed steps from one store into another.
 
-Both are faces of replication.py: ``cp SRC DST [STEP...]`` is one pass, ``replicate SRC DST
-[STEP...]`` the same pass, and ``replicate SRC DST --follow`` passes again and again as SRC
-commits new steps, with pauses from ``--interval`` growing to ``--max-interval`` while nothing
-is new, until Ctrl-C (exit 130) or an error. Global options (``--endpoint-url``, ``-o``,
-``--profile``, ``--region``) set the source's storage; ``--dst-*`` options the destination's,
-over them (another endpoint, account or region). The destination is written under its own
-writer lease (``--takeover`` displaces a holder known to be dead) and retention.
+Both are faces of replication/replicator.py: ``cp SRC DST [STEP...]`` is one pass, ``replicate SRC
+DST [STEP...]`` the same pass, and ``replicate SRC DST --follow`` passes again and again as SRC
+commits new steps, with pauses from ``--interval`` growing to ``--max-interval`` while nothing is
+new, until Ctrl-C (exit 130) or an error. Global options (``--endpoint-url``, ``-o``, ``--profile``,
+``--region``) set the source's storage; ``--dst-*`` options the destination's, over them (another
+endpoint, account or region). The destination is written under its own writer lease (``--takeover``
+displaces a holder known to be dead) and retention.
 
 Output: one pass prints what it copied, what the destination already held, what it left out and
 why; ``--json`` one document (``replicate --follow --json``: one line per pass that copied or

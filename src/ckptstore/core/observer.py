@@ -30,7 +30,7 @@ class SaveObserver(Protocol):
 
 @dataclass(frozen=True)
 class PersistStats:
-    """How a step of a tiered store reached the durable tier (tiers.py)."""
+    """How a step of a tiered store reached the durable tier (tiers/local.py)."""
 
     step: int
     seconds_to_durable: float

@@ -15,7 +15,7 @@ module, so each rule below is written once:
   fail raises, counting the refused steps and saying why, so no job restarts from step 0
   because of a wrong key or a corrupt bucket.
 
-* A store with a local tier (tiers.py) is resolved as one: the newest step either tier holds,
+* A store with a local tier (tiers/local.py) is resolved as one: the newest step either tier holds,
   the local copy of a step before the durable copy, and the durable copy of a step that
   failed locally before any older step. Fences are the durable pointer's, for both tiers.
 
@@ -68,7 +68,7 @@ class Resolved(Generic[T]):
 
 class Resolver:
     """Chooses steps to load from one store's catalogs: its durable tier's, and those of the
-    tiers in front of it (tiers.py)."""
+    tiers in front of it (tiers/local.py)."""
 
     def __init__(
         self,

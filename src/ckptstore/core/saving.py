@@ -74,7 +74,7 @@ class Saver:
     save_timeout: float | None = None
     """Seconds a save may take (deadline.py); None: no deadline."""
     tiers: Tiers | None = None
-    """Set when this saver commits in the local tier of a store (tiers.py): a save must not
+    """Set when this saver commits in the local tier of a store (tiers/local.py): a save must not
     fall behind the durable tier's latest either, and each commit is offered for persisting."""
     pointer_trusted: bool = field(default=False, init=False)
     """Whether :meth:`latest_step` may take ``latest.json`` at its word (module docstring)."""
@@ -131,11 +131,11 @@ class Saver:
             self.pointer_trusted = True
 
     def due(self, step: int) -> bool:
-        """Whether ``step``, once committed here, is due for the durable tier (tiers.py)."""
+        """Whether ``step``, once committed here, is due for the durable tier (tiers/local.py)."""
         return self.tiers is not None and self.tiers.decide(step)
 
     def share(self, plan: Plan, entries: Sequence[FileEntry]) -> None:
-        """A participant staged ``entries`` in the local tier (tiers.py)."""
+        """A participant staged ``entries`` in the local tier (tiers/local.py)."""
         if self.tiers is not None:
             self.tiers.staged(plan, entries)
 

@@ -153,7 +153,7 @@ def _save(
             coordinator.discard()
         raise
     # 3. Rank 0 commits, or discards; everyone learns which, and each node commits it in its
-    # local tier too (tiers.py) and copies its files to the next rank's (peers.py), behind.
+    # local tier too (tiers/local.py) and copies its files to the next rank's (peers.py), behind.
     outcome: CheckpointInfo | CheckpointError | None = None
     if coordinator is not None and reports is not None:
         try:

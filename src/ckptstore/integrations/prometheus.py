@@ -110,7 +110,7 @@ class PrometheusMetrics:
         self.failures.labels(uri).inc()
 
     def persisted(self, uri: str, stats: PersistStats) -> None:
-        """A tiered store's step reached its durable tier ``uri`` (tiers.py)."""
+        """A tiered store's step reached its durable tier ``uri`` (tiers/local.py)."""
         self.persisted_total.labels(uri).inc()
         self.to_durable.labels(uri).observe(stats.seconds_to_durable)
         self.durable_step.labels(uri).set(stats.step)

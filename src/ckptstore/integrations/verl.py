@@ -210,7 +210,7 @@ def commit_step(
     (coordination.py) with the driver as coordinator and one participant per node; nothing
     committed on failure. With local tiers (the store's ``local``), each node stages its
     share in its own local tier and every node commits the step there; due steps (or
-    ``persist``) reach the store in the background (tiers.py)."""
+    ``persist``) reach the store in the background (tiers/local.py)."""
     coordinator = store.begin_save(step, kind=KIND_DIRECTORY, metadata=metadata, persist=persist)
     with coordinator.running():  # the fleet's waits end by the save's deadline
         return _commit_step(store, fleet, coordinator, world_size)

@@ -51,7 +51,7 @@ class VerlStoreConfig:
     """Commit every this many verl saves to the store (and the last step of training); the
     others stay in ``trainer.default_local_dir``, verl's own local tier. With ``local`` (a
     local tier of the store on every node), every save commits there and this is the store's
-    own ``persist_every``: the due steps reach the store in the background (tiers.py)."""
+    own ``persist_every``: the due steps reach the store in the background (tiers/local.py)."""
     max_failed_saves: int = 3
     """A commit that fails is logged and training goes on; this many in a row raise."""
 
@@ -81,7 +81,7 @@ class VerlStoreConfig:
 
     @property
     def persist_policy(self) -> PersistPolicy:
-        """When a verl save is committed to the store (tiers.py)."""
+        """When a verl save is committed to the store (tiers/local.py)."""
         return PersistPolicy(self.persist_every, spelling=VERL)
 
     def __getattr__(self, name: str) -> Any:

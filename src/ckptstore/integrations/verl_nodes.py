@@ -111,7 +111,7 @@ class NodeAgent:
 
     def join(self, manifest: Manifest) -> None:
         """The driver committed ``manifest``: commit it in this node's local tier too (the
-        store's tiers, tiers.py); nothing without one."""
+        store's tiers, tiers/local.py); nothing without one."""
         if self.store.tiers is not None:
             self.store.tiers.node.join(manifest)
 

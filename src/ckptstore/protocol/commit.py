@@ -105,7 +105,7 @@ class Committer:
     ) -> None:
         self.catalog = catalog
         self.faster_tiers = faster_tiers
-        """The store's tiers in front of this one (tiers.py): a takeover's fence admits the
+        """The store's tiers in front of this one (tiers/local.py): a takeover's fence admits the
         steps committed there too."""
         self.backend: Backend = catalog.backend
         self.signer = catalog.signer
@@ -326,7 +326,7 @@ class Committer:
         pointer's: an older holder killed between its commit and moving ``latest`` committed
         that step while it held the lease, and fencing it would make ``latest`` go back. The
         same holds for a step committed in a faster tier of the store and not yet persisted
-        (tiers.py): the new holder persists it as the store's own.
+        (tiers/local.py): the new holder persists it as the store's own.
         """
         newest = self._newest_committed()
 

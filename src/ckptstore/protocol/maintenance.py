@@ -5,7 +5,7 @@ resolver.py) and the write side (commit.py, removal.py); retention is pruning.py
 only forwards to them. Each follows the commit protocol's rules: deleting uncommits first, and
 ``latest`` only moves backwards when someone deletes it explicitly. Garbage collection, which
 judges what failed saves left behind, is garbage.py's; copying steps into another store is
-replication.py's.
+replication/replicator.py's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A store as the destination of a replication: the write side replication.py commits through.
+"""A store as the destination of a replication: the write side replicator.py commits through.
 
 The destination keeps its own rules. Its writer lease is taken before the first file lands and
 renewed right before each commit (the fence check), so a second replicator, or a training job,

@@ -2,8 +2,8 @@
 
 ``replicate(src, dst)`` copies the steps ``dst`` lacks; ``follow(src, dst)`` keeps doing it as
 ``src`` commits new ones (``ckptstore replicate SRC DST [--follow]``). ``src`` is only read;
-``dst`` is written under its own writer lease and retention (replica.py), so another cluster
-resumes from ``dst`` with the URI alone. Each rule is written once:
+``dst`` is written under its own writer lease and retention (destination.py), so another
+cluster resumes from ``dst`` with the URI alone. Each rule is written once:
 
 * **Which steps.** ``src``'s committed steps (one listing: manifests are the truth), or those
   named. Never one a fenced writer committed in ``src`` (pointer.py): it is never latest there,
@@ -19,8 +19,8 @@ resumes from ``dst`` with the URI alone. Each rule is written once:
   key refuses) is not committed, what was staged of it is removed, and it is reported
   (``failed``) while the other steps go on: a corrupt step stays corrupt, so a follower does not
   try it again. Any other error (storage, lease, conflict) ends the pass and keeps the files it
-  finished, which the next pass does not copy again (replica.py says why one listing is proof
-  enough). A kill is such an error.
+  finished, which the next pass does not copy again (destination.py says why one listing is
+  proof enough). A kill is such an error.
 
 Requests per pass, beyond the bytes: on ``src`` one LIST of step directories, one GET of the
 pointer and one GET per manifest not seen before; on ``dst`` one LIST of step directories (and

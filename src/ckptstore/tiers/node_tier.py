@@ -1,5 +1,5 @@
 """One node's side of the tiers of a multi-process save: what a participant does with its
-node's local tier (tiers.py, "every rank on its node's tier").
+node's local tier (tiers/local.py, "every rank on its node's tier").
 
 A participant stages its files in its node's local tier (coordination.py's ``stage``). Of a
 step due for the durable tier (``Plan.due``), it copies them there at once, in the

@@ -1,6 +1,6 @@
 """Peer copies of a node's local tier, over torch.distributed (``replicas=1``).
 
-A local tier (tiers.py) makes saves fast, but a node that is lost takes its local steps with
+A local tier (tiers/local.py) makes saves fast, but a node that is lost takes its local steps with
 it; only the durable tier, which may lag by ``persist_every`` saves, is left. As Gemini and
 NVIDIA's resiliency extension do, each rank of ``save_distributed`` also sends the files it
 staged to the next rank (``(r + 1) % world``), which writes them into its own node's local

@@ -1,4 +1,4 @@
-"""Persisting: a local tier's due steps committed in the durable tier (tiers.py).
+"""Persisting: a local tier's due steps committed in the durable tier (tiers/local.py).
 
 :class:`Persister` decides which local commits are due (``PersistPolicy``, judged when a save
 begins so its participants know it), pins them in the local tier, and commits each in the
@@ -49,7 +49,7 @@ def persist(
     saver: Saver, manifest: Manifest, copy: Callable[[int, Sequence[FileEntry]], None]
 ) -> CheckpointInfo:
     """Commit ``manifest``, a step committed in a faster tier of the same store, verbatim in
-    ``saver``'s tier (tiers.py): the coordinated save of one participant whose staging is
+    ``saver``'s tier (tiers/local.py): the coordinated save of one participant whose staging is
     ``copy(step, files)`` of the files not there yet, by the save's deadline. The same
     sequence as every save: the writer lease, attempt markers, the files, the fence check, the
     manifest create-only, ``latest`` forward only, retention. A step already committed there
