@@ -146,10 +146,13 @@ class Deadline:
         upload_id: str | None = None,
         bytes_done: int | None = None,
         last_error: str | None = None,
+        upload_left: str | None = None,
     ) -> DeadlineExceededError:
         """The error for this deadline having passed while ``doing`` (a verb: ``write``,
         ``read``...) ``target`` (the URI of the file). Its ``uri`` is ``target`` when that is a
-        URI; a caller that knows the store-relative path adds it (``add_context``)."""
+        URI; a caller that knows the store-relative path adds it (``add_context``). The
+        multipart upload ``upload_id`` was aborted, unless ``upload_left`` says what became of
+        it instead (one sentence: it could not be aborted, and what removes it)."""
         cls = SaveTimeoutError if self.operation == "save" else LoadTimeoutError
         who = f"rank {self.rank}'s {self.operation}" if self.rank is not None else self.operation
         if self.step is not None:
@@ -158,7 +161,7 @@ class Deadline:
             who += f" of {self.store}"
         what = f" while trying to {doing} {target}" if target else ""
         facts = []
-        if upload_id:
+        if upload_id and upload_left is None:
             facts.append(f"multipart upload {upload_id} aborted")
         if bytes_done is not None:
             facts.append(f"{bytes_done} bytes done")
@@ -169,6 +172,8 @@ class Deadline:
             f"{who} ran past its {self.seconds:g} s deadline{what}{detail}{cause}. Check the "
             f"storage (the last error says what failed) or raise {setting}"
         )
+        if upload_id and upload_left is not None:
+            message += f". Its multipart upload {upload_id} {upload_left}"
         return cls(
             message,
             rank=self.rank,
@@ -214,7 +219,8 @@ def cleanup_time() -> contextlib.AbstractContextManager[Deadline | None]:
 
 def clean_up(remove: Callable[[], None], what: str) -> bool:
     """Run ``remove`` (a failed save's files) under :func:`cleanup_time`. With a deadline in
-    force, wait for it until that deadline plus :data:`CLEANUP_SLACK` at most, then let it go
+    force, wait for it until that deadline plus :data:`CLEANUP_SLACK` at most (however many
+    cleanups a failed save runs one after another, they end by then), then let it go
     on in the background (a daemon thread, by its own deadline) and return False, so the
     save's error is raised on time; ``gc`` removes whatever it could not. Its own failure is
     logged: the save's error is the one that matters."""
@@ -236,7 +242,7 @@ def clean_up(remove: Callable[[], None], what: str) -> bool:
         return True
     context = contextvars.copy_context()
     threading.Thread(target=context.run, args=(run,), name="ckpt-cleanup", daemon=True).start()
-    if done.wait(outer.remaining() + CLEANUP_SLACK):
+    if done.wait(max(0.0, outer.expires + CLEANUP_SLACK - outer.clock())):
         return True
     log.warning("removing %s goes on in the background (the server is slow or not answering); "
                 "`ckptstore gc` removes what it cannot", what)  # fmt: skip

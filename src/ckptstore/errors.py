@@ -237,11 +237,12 @@ class SaveAbandonedError(CheckpointError):
 
 class DeadlineExceededError(CheckpointError):
     """A save or load ran past its deadline (:mod:`ckptstore.deadline`); what was in flight
-    was aborted (a multipart upload included), so nothing is left open.
+    was aborted, a multipart upload included, or, where the server did not answer the abort,
+    recorded and aborted by the next save, ``close()`` or ``gc`` (the message says which).
 
     Besides ``uri``/``path`` (the file being moved when time ran out) it carries, each
-    ``None`` where unknown: ``rank`` (whose save), ``upload_id`` (the multipart upload that was
-    aborted), ``bytes_done`` (of that file, when time ran out), ``last_error`` (the last
+    ``None`` where unknown: ``rank`` (whose save), ``upload_id`` (the multipart upload in
+    flight), ``bytes_done`` (of that file, when time ran out), ``last_error`` (the last
     retryable failure, as text: a stall, SlowDown, a reset) and ``timeout`` (the deadline's
     budget, in seconds). The message names them too. Raise it through
     :meth:`ckptstore.deadline.Deadline.error`, which writes that message.
@@ -270,7 +271,8 @@ class DeadlineExceededError(CheckpointError):
 
 class SaveTimeoutError(DeadlineExceededError):
     """A save ran past its deadline (``save_timeout``); nothing of it was committed by the
-    request that timed out, and its multipart upload, if any, was aborted."""
+    request that timed out, and its multipart upload, if any, was aborted (or recorded, to be
+    aborted later: the message says which)."""
 
 
 class LoadTimeoutError(DeadlineExceededError):

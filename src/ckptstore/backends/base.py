@@ -110,6 +110,9 @@ class PartialWrite:
     path: str
     upload_id: str
     started: float | None = None
+    abandoned: bool = False
+    """Given up by its own writer in this process (an abort the server did not answer): gc
+    removes it however young it is."""
 
 
 @runtime_checkable

@@ -25,12 +25,14 @@ for ``stall_timeout`` seconds, or trickles, is given up and retried (:mod:`.s3_p
 broken or stalled GET resumes from its last byte (:mod:`.s3_download`). No request, retry or
 wait outlives the deadline in force (:mod:`ckptstore.deadline`): then a multipart upload is
 aborted and SaveTimeoutError (or LoadTimeoutError) names the file, the upload, the bytes done
-and the last error. An endpoint that never answered this process gets ``first_byte_timeout``
-seconds to answer a request, its retries included (a mute endpoint fails in seconds). Errors are
-translated once, at this boundary (:mod:`.s3_errors`), by error code and HTTP status, never by
-message text. Options and URIs are validated in :mod:`.s3_options`. The requests about many keys
-at once (listings, batched deletes, the remains of unfinished writes) are in
-:mod:`.s3_namespace`.
+and the last error. An abort the server does not answer is recorded, and the next write (the
+lease renewal that begins the next save, or its first file), ``close()`` or ``gc`` aborts the
+upload (:mod:`.s3_leftovers`). An endpoint that never answered this process gets
+``first_byte_timeout`` seconds to answer a request, its retries included (a mute endpoint fails
+in seconds). Errors are translated once, at this boundary (:mod:`.s3_errors`), by error code
+and HTTP status, never by message text. Options and URIs are validated in :mod:`.s3_options`.
+The requests about many keys at once (listings, batched deletes, the remains of unfinished
+writes) are in :mod:`.s3_namespace`.
 """
 
 from __future__ import annotations
@@ -195,6 +197,7 @@ class S3Backend(BaseBackend):
 
     def write(self, path: str, chunks: Iterable[Chunk]) -> int:
         """One PutObject below ``multipart_threshold``, else a parallel multipart upload."""
+        self._transfers.settle()
         key = self._key(path)
         parts = split(chunks, self._opts.part_size)
         head: deque[bytearray] = deque()
@@ -215,6 +218,7 @@ class S3Backend(BaseBackend):
             return self._transfers.upload(key, rest, part_size=self._opts.part_size)
 
     def create(self, path: str, data: bytes) -> None:
+        self._transfers.settle()
         if not self._probe().atomic_create:  # the probe warned
             self._fallback_create(path, data)
             return
@@ -226,6 +230,7 @@ class S3Backend(BaseBackend):
             raise self._exists_error(path) from e
 
     def swap(self, path: str, data: bytes, expected: str | None) -> str:
+        self._transfers.settle()
         if not self._probe().atomic_swap:  # the probe warned
             return self._fallback_swap(path, data, expected)
         key = self._key(path)

@@ -7,12 +7,15 @@ cancels the running parts (they stop at their next block: :mod:`.s3_progress`), 
 :data:`ABORT_GRACE` to do so, and aborts the upload under a short deadline of its own: S3 never
 shows a partial object, but bills and keeps the parts of an unfinished upload until someone
 aborts it. A part still blocked in a socket call may land after that abort, so the upload is
-aborted once more when the last such part has ended. ``gc`` finds what a killed process left
-(:meth:`Multipart.unfinished`).
+aborted once more when the last such part has ended. An abort the server does not answer (it
+stopped) is recorded, and the upload aborted by the backend's next write, ``close()`` or ``gc``
+(:mod:`.s3_leftovers`, :meth:`Multipart.settle`); the error says which happened. ``gc`` finds
+what a killed process left (:meth:`Multipart.unfinished`).
 
 Two answers can be lost in transit. A CreateMultipartUpload that landed unanswered leaves an
 upload nobody knows: when creating took more than one attempt, other uploads of the very same
-key are aborted (two writers never share a key: DESIGN invariant 9). A
+key are aborted (two writers never share a key: DESIGN invariant 9); when it was given up
+unanswered, the key is recorded and its uploads aborted later. A
 CompleteMultipartUpload that landed unanswered makes its retry find no upload: then the object
 itself is looked for.
 """
@@ -29,11 +32,12 @@ from typing import Any, Protocol
 from botocore.exceptions import ClientError
 
 from ckptstore.backends.s3_errors import is_not_found
+from ckptstore.backends.s3_leftovers import RECORDED, REFUSED, UNKNOWN, Leftovers
 from ckptstore.backends.s3_options import MAX_PART_SIZE
 from ckptstore.backends.s3_progress import Meter, Progress, ProgressBody
 from ckptstore.backends.s3_retry import Retrier
 from ckptstore.deadline import Deadline, bounded, current_deadline, submit
-from ckptstore.errors import ConfigError
+from ckptstore.errors import ConfigError, DeadlineExceededError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +47,9 @@ ABORT_GRACE = 0.5
 ABORT_TIMEOUT = 10.0
 """The longest the AbortMultipartUpload after a failure may take (``stall_timeout`` if less,
 1 s at least): with :data:`ABORT_GRACE`, the margin by which a timed-out upload outlives its
-deadline."""
+deadline. Past it, the upload is recorded (:mod:`.s3_leftovers`)."""
+SETTLE_MIN = 2.0
+"""Seconds a deadline in force must leave for a write to abort recorded uploads first."""
 Part = dict[str, Any]
 """One entry of CompleteMultipartUpload's part list: ``PartNumber``, ``ETag``, checksums."""
 PartJob = Callable[[str, int], Part]
@@ -62,6 +68,7 @@ class PartRequests(Protocol):
     stall_timeout: float
     retrier: Retrier
     slots: threading.BoundedSemaphore
+    leftovers: Leftovers
 
     def name(self, key: str) -> str: ...
 
@@ -143,6 +150,7 @@ class Multipart:
         pool = moves.pool()
         inflight: set[Future[Part]] = set()
         done: list[Part] = []
+        moves.leftovers.started(upload_id)
         try:
             for number, job in enumerate(jobs, start=1):
                 if number > MAX_PARTS:
@@ -168,9 +176,18 @@ class Multipart:
             done.extend(f.result() for f in finished)
             done.sort(key=lambda p: int(p["PartNumber"]))
             self._complete(key, upload_id, done, progress)
-        except BaseException:
-            self._abort_after_failure(key, upload_id, inflight, progress)
+        except BaseException as e:
+            moves.leftovers.ended(upload_id)
+            fate = self._abort_after_failure(key, upload_id, inflight, progress)
+            if fate is None:
+                raise
+            deadline = current_deadline()
+            if isinstance(e, DeadlineExceededError) and e.upload_id == upload_id and deadline:
+                progress.upload_left = fate  # the error says what became of the upload
+                raise progress.deadline_error(deadline) from e.__cause__
+            logger.warning("multipart upload %s of %s %s", upload_id, name, fate)
             raise
+        moves.leftovers.ended(upload_id)
         logger.debug("multipart upload of %s done: %d parts", name, len(done))
         return len(done)
 
@@ -194,6 +211,40 @@ class Multipart:
         except ClientError as e:
             if not is_not_found(e):  # NoSuchUpload
                 raise
+        self.moves.leftovers.forget(key, upload_id)
+
+    def settle(self) -> None:
+        """Abort the uploads recorded when the server did not answer (:mod:`.s3_leftovers`),
+        each under a short deadline of its own, never past the caller's; stop at the first
+        that gets no answer (the next write tries again). Never raises: the caller's own
+        requests tell what is wrong.
+        A thread that finds another settling goes on at once."""
+        leftovers = self.moves.leftovers
+        outer = current_deadline()
+        if outer is not None and outer.remaining() < SETTLE_MIN:
+            return  # the caller's deadline leaves no time to spare: a later write settles
+        if not leftovers or not leftovers.settling():
+            return
+        try:
+            for key, upload_id in leftovers.pending():
+                try:
+                    with bounded(self._cleanup_deadline(outer.remaining() if outer else None)):
+                        if upload_id != UNKNOWN:
+                            self.abort(key, upload_id)
+                            continue
+                        for other_key, other, _ in self.unfinished(key):
+                            if other_key == key and not leftovers.live(other):
+                                self.abort(key, other)
+                        leftovers.forget(key, UNKNOWN)
+                except ClientError as e:  # an answer: no later try does better
+                    leftovers.forget(key, upload_id)
+                    logger.warning("multipart upload %s of %s %s (%s)", upload_id or "(unknown)",
+                                   self.moves.name(key), REFUSED, type(e).__name__)  # fmt: skip
+                except Exception as e:
+                    logger.debug("recorded uploads not aborted yet: %s", e)
+                    return
+        finally:
+            leftovers.settled()
 
     # -- the steps ----------------------------------------------------------------------------
 
@@ -206,7 +257,13 @@ class Multipart:
             attempts += 1
             return self.moves.request("create_multipart_upload", Key=key, **start)
 
-        resp = self.moves.retrier.call("CreateMultipartUpload", attempt, progress)
+        try:
+            resp = self.moves.retrier.call("CreateMultipartUpload", attempt, progress)
+        except ClientError:
+            raise  # answered: no upload was started
+        except BaseException:  # unanswered: it may still land, and start an upload of key
+            self.moves.leftovers.record(key, UNKNOWN)
+            raise
         upload_id = progress.upload_id = str(resp["UploadId"])
         logger.debug("multipart upload %s of %s started", upload_id, progress.target)
         if attempts > 1:
@@ -287,18 +344,18 @@ class Multipart:
 
     def _abort_after_failure(
         self, key: str, upload_id: str, inflight: set[Future[Part]], progress: Progress
-    ) -> None:
+    ) -> str | None:
         """Cancel the running parts, give them a moment, abort; abort again once the last
-        straggler has ended. The caller re-raises the original error, so a failed abort is
-        only logged."""
+        straggler has ended. Returns None if aborted, else what became of the upload (for the
+        error, which the caller raises)."""
         progress.token.cancel("its upload was aborted")
         for future in inflight:
             future.cancel()
         wait(inflight, timeout=ABORT_GRACE)
-        self._abort_quietly(key, upload_id)
+        fate = self._abort_quietly(key, upload_id)
         stragglers = [f for f in inflight if not f.done()]
         if not stragglers:
-            return
+            return fate
         left = [len(stragglers)]
         lock = threading.Lock()
 
@@ -311,24 +368,31 @@ class Multipart:
 
         for future in stragglers:
             future.add_done_callback(ended)
+        return fate
 
-    def _abort_quietly(self, key: str, upload_id: str) -> None:
-        """Abort under a short deadline of its own (the save's may have passed)."""
+    def _cleanup_deadline(self, cap: float | None = None) -> Deadline:
+        """A short deadline of its own for an abort (the save's may have passed), ``cap``
+        seconds at most."""
         outer = current_deadline()
-        cleanup = Deadline.after(
-            max(1.0, min(ABORT_TIMEOUT, self.moves.stall_timeout)),
+        seconds = max(1.0, min(ABORT_TIMEOUT, self.moves.stall_timeout))
+        return Deadline.after(
+            seconds if cap is None else min(seconds, cap),
             operation=outer.operation if outer else "save",
             rank=outer.rank if outer else None,
         )
+
+    def _abort_quietly(self, key: str, upload_id: str) -> str | None:
+        """Abort under a short deadline of its own; None if done, else what became of the
+        upload: recorded if the server did not answer (:mod:`.s3_leftovers`)."""
         try:
-            with bounded(cleanup):
+            with bounded(self._cleanup_deadline()):
                 self.abort(key, upload_id)
-            logger.debug("aborted multipart upload %s of %s", upload_id, self.moves.name(key))
+        except ClientError as e:  # an answer, and a refusal: no later try does better
+            logger.debug("abort of %s refused: %s", upload_id, e)
+            return f"{REFUSED} ({type(e).__name__}: {e})"
         except Exception as e:
-            logger.warning(
-                "could not abort multipart upload %s of %s (%s); `ckptstore gc` or an "
-                "AbortIncompleteMultipartUpload lifecycle rule removes it",
-                upload_id,
-                self.moves.name(key),
-                type(e).__name__,
-            )
+            self.moves.leftovers.record(key, upload_id)
+            logger.debug("abort of %s unanswered (%s): recorded", upload_id, type(e).__name__)
+            return RECORDED
+        logger.debug("aborted multipart upload %s of %s", upload_id, self.moves.name(key))
+        return None

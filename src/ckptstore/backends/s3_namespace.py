@@ -134,7 +134,11 @@ class Namespace:
                     "AbortIncompleteMultipartUpload lifecycle rule to the bucket instead",
                 )
                 return []
-        return [PartialWrite(key[len(self._base) :], upload_id, t) for key, upload_id, t in found]
+        abandoned = self._transfers.leftovers.abandoned
+        return [
+            PartialWrite(key[len(self._base) :], upload_id, t, abandoned(key, upload_id))
+            for key, upload_id, t in found
+        ]
 
     def _translated(self, key: str, action: str) -> contextlib.AbstractContextManager[None]:
         return self._errors.translated(self._transfers.name(key), action)

@@ -70,13 +70,16 @@ class CancelToken:
 
 class Progress:
     """What one file's transfer has done so far, for the errors that end it: its URI, the
-    verb, the multipart upload's id, the bytes done, the last retryable error, and the token
-    that cancels its requests. Updated by several threads (parts); each field is one store."""
+    verb, the multipart upload's id (and what became of it), the bytes done, the last
+    retryable error, and the token that cancels its requests. Updated by several threads
+    (parts); each field is one store."""
 
     def __init__(self, target: str, doing: str) -> None:
         self.target = target
         self.doing = doing
         self.upload_id: str | None = None
+        self.upload_left: str | None = None
+        """What became of the upload, when it could not be aborted (s3_multipart.py)."""
         self.bytes_done = 0
         self.last_error: str | None = None
         self.token = CancelToken()
@@ -93,6 +96,7 @@ class Progress:
             upload_id=self.upload_id,
             bytes_done=self.bytes_done,
             last_error=self.last_error,
+            upload_left=self.upload_left,
         )
 
 

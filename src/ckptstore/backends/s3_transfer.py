@@ -37,6 +37,7 @@ from ckptstore.backends import s3_download
 from ckptstore.backends.base import Chunk
 from ckptstore.backends.s3_download import read_body_into
 from ckptstore.backends.s3_helpers import mark_worker
+from ckptstore.backends.s3_leftovers import Leftovers
 from ckptstore.backends.s3_multipart import Multipart, PartJob, Upload
 from ckptstore.backends.s3_options import (
     DEFAULT_RETRY_TIMEOUT,
@@ -111,6 +112,8 @@ class Transfers:
         self._pool_lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(max_concurrency)
         """Hold one (:meth:`slot`) for each request that carries a part or a single PUT."""
+        self.leftovers = Leftovers()
+        """Uploads a failure left open that the server would not abort (s3_leftovers.py)."""
 
     @property
     def multiparts(self) -> Multipart:
@@ -127,6 +130,8 @@ class Transfers:
             return self._pool
 
     def close(self) -> None:
+        """Abort what is recorded (:meth:`settle`), then stop the pool and the helpers."""
+        self.settle()
         with self._pool_lock:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
@@ -254,6 +259,11 @@ class Transfers:
 
     def unfinished(self, prefix: str) -> list[Upload]:
         return self.multiparts.unfinished(prefix)
+
+    def settle(self) -> None:
+        """Abort the uploads recorded when the server did not answer (cheap when none is)."""
+        if self.leftovers:
+            self.multiparts.settle()
 
     def abort(self, key: str, upload_id: str) -> None:
         self.multiparts.abort(key, upload_id)

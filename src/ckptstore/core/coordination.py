@@ -241,7 +241,8 @@ class Coordinator:
             return self.commit(entries, world_size=world_size, confirm=seen)
         except Exception as e:
             log.exception("%s could not commit step %d", _label(coordinator), self.step)
-            what = self._what_became(_label(coordinator))
+            with self.running():  # a server that stopped answering: "may be committed"
+                what = self._what_became(_label(coordinator))
             raise self._failed({coordinator: describe(e)}, what) from e
 
     def commit(
@@ -330,9 +331,12 @@ class Coordinator:
 
     def discard(self, attempts: Iterable[str] = ()) -> None:
         """Remove what this save's participants staged (``attempts`` they reported, and any
-        attempt whose marker names this save), and nothing of a rival's save of the step."""
+        attempt whose marker names this save), and nothing of a rival's save of the step; by
+        the save's deadline, then in the background (:func:`~ckptstore.deadline.clean_up`), so
+        every participant learns the outcome in time."""
         doomed, remover = set(attempts), self.saver.remover
-        clean_up(lambda: remover.discard_save(self.step, self.plan.save, doomed), self._files)
+        with self.running():
+            clean_up(lambda: remover.discard_save(self.step, self.plan.save, doomed), self._files)
 
     @property
     def _files(self) -> str:

@@ -120,11 +120,11 @@ class GarbageCollector:
         for step in sorted(listing.steps):
             self._collect_step(step, listing.steps[step], step in pinned, found)
         pins = self._stale_pins(listing.pins, found.committed)
-        partial = [
+        kept = tuple(k + "/" for k in found.kept)
+        partial = [  # an abandoned upload's writer gave up on it: dead, however young
             p
             for p in self.backend.partial_writes("")
-            if _old(p.started, self.cutoff)
-            and not any(p.path.startswith(k + "/") for k in found.kept)
+            if p.abandoned or (_old(p.started, self.cutoff) and not p.path.startswith(kept))
         ]
         if not self.dry_run:
             self.backend.delete(pins)
