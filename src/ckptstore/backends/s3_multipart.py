@@ -91,11 +91,126 @@ class PartRequests(Protocol):
     def part_checksum(self, data: bytes | bytearray) -> dict[str, str]: ...
 
 
-class Multipart:
-    """Multipart uploads and copies on one backend's :class:`~.s3_transfer.Transfers`."""
+class UploadCleanup:
+    """Ending uploads that will not complete: aborted at once when the server answers,
+    recorded (:mod:`.s3_leftovers`) and settled by a later write when it does not."""
 
     def __init__(self, moves: PartRequests) -> None:
         self.moves = moves
+
+    def unfinished(self, prefix: str) -> list[Upload]:
+        """Every unfinished multipart upload whose key starts with ``prefix``."""
+        found: list[Upload] = []
+        doing = "list unfinished uploads under"
+        for page in self.moves.pages("list_multipart_uploads", prefix, doing, Prefix=prefix):
+            for up in page.get("Uploads", ()):
+                started = up.get("Initiated")
+                found.append(
+                    (str(up["Key"]), str(up["UploadId"]), started.timestamp() if started else None)
+                )
+        return found
+
+    def abort(self, key: str, upload_id: str) -> None:
+        """Abort an unfinished upload; one that is already gone is not an error."""
+        doing = "abort the upload of"
+        try:
+            self.moves.call("abort_multipart_upload", key, doing, Key=key, UploadId=upload_id)
+        except ClientError as e:
+            if not is_not_found(e):  # NoSuchUpload
+                raise
+        self.moves.leftovers.forget(key, upload_id)
+
+    def settle(self) -> None:
+        """Abort the uploads recorded when the server did not answer (:mod:`.s3_leftovers`),
+        each under a short deadline of its own, never past the caller's; stop at the first
+        that gets no answer (the next write tries again). Never raises: the caller's own
+        requests tell what is wrong.
+        A thread that finds another settling goes on at once."""
+        leftovers = self.moves.leftovers
+        outer = current_deadline()
+        if outer is not None and outer.remaining() < SETTLE_MIN:
+            return  # the caller's deadline leaves no time to spare: a later write settles
+        if not leftovers or not leftovers.settling():
+            return
+        try:
+            for key, upload_id in leftovers.pending():
+                try:
+                    with bounded(self._cleanup_deadline(outer.remaining() if outer else None)):
+                        if upload_id != UNKNOWN:
+                            self.abort(key, upload_id)
+                            continue
+                        for other_key, other, _ in self.unfinished(key):
+                            if other_key == key and not leftovers.live(other):
+                                self.abort(key, other)
+                        leftovers.forget(key, UNKNOWN)
+                except ClientError as e:  # an answer: no later try does better
+                    leftovers.forget(key, upload_id)
+                    logger.warning("multipart upload %s of %s %s (%s)", upload_id or "(unknown)",
+                                   self.moves.name(key), REFUSED, type(e).__name__)  # fmt: skip
+                except Exception as e:
+                    logger.debug("recorded uploads not aborted yet: %s", e)
+                    return
+        finally:
+            leftovers.settled()
+
+    def _abort_after_failure(
+        self, key: str, upload_id: str, inflight: set[Future[Part]], progress: Progress
+    ) -> str | None:
+        """Cancel the running parts, give them a moment, abort; abort again once the last
+        straggler has ended. Returns None if aborted, else what became of the upload (for the
+        error, which the caller raises)."""
+        progress.token.cancel("its upload was aborted")
+        for future in inflight:
+            future.cancel()
+        wait(inflight, timeout=ABORT_GRACE)
+        fate = self._abort_quietly(key, upload_id)
+        stragglers = [f for f in inflight if not f.done()]
+        if not stragglers:
+            return fate
+        left = [len(stragglers)]
+        lock = threading.Lock()
+
+        def ended(_: Future[Part]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            self._abort_quietly(key, upload_id)
+
+        for future in stragglers:
+            future.add_done_callback(ended)
+        return fate
+
+    def _cleanup_deadline(self, cap: float | None = None) -> Deadline:
+        """A short deadline of its own for an abort (the save's may have passed), ``cap``
+        seconds at most."""
+        outer = current_deadline()
+        seconds = max(1.0, min(ABORT_TIMEOUT, self.moves.stall_timeout))
+        return Deadline.after(
+            seconds if cap is None else min(seconds, cap),
+            operation=outer.operation if outer else "save",
+            rank=outer.rank if outer else None,
+        )
+
+    def _abort_quietly(self, key: str, upload_id: str) -> str | None:
+        """Abort under a short deadline of its own; None if done, else what became of the
+        upload: recorded if the server did not answer (:mod:`.s3_leftovers`)."""
+        try:
+            with bounded(self._cleanup_deadline()):
+                self.abort(key, upload_id)
+        except ClientError as e:  # an answer, and a refusal: no later try does better
+            logger.debug("abort of %s refused: %s", upload_id, e)
+            return f"{REFUSED} ({type(e).__name__}: {e})"
+        except Exception as e:
+            self.moves.leftovers.record(key, upload_id)
+            logger.debug("abort of %s unanswered (%s): recorded", upload_id, type(e).__name__)
+            return RECORDED
+        logger.debug("aborted multipart upload %s of %s", upload_id, self.moves.name(key))
+        return None
+
+
+class Multipart(UploadCleanup):
+    """Multipart uploads and copies on one backend's :class:`~.s3_transfer.Transfers`."""
 
     def upload(self, key: str, parts: Iterator[bytearray], *, part_size: int) -> int:
         """A multipart upload of ``parts``, each with its CRC32C if checksums are on; returns
@@ -178,73 +293,30 @@ class Multipart:
             self._complete(key, upload_id, done, progress)
         except BaseException as e:
             moves.leftovers.ended(upload_id)
-            fate = self._abort_after_failure(key, upload_id, inflight, progress)
-            if fate is None:
-                raise
-            deadline = current_deadline()
-            if isinstance(e, DeadlineExceededError) and e.upload_id == upload_id and deadline:
-                progress.upload_left = fate  # the error says what became of the upload
-                raise progress.deadline_error(deadline) from e.__cause__
-            logger.warning("multipart upload %s of %s %s", upload_id, name, fate)
+            self._failed(e, key, upload_id, inflight, progress)
             raise
         moves.leftovers.ended(upload_id)
         logger.debug("multipart upload of %s done: %d parts", name, len(done))
         return len(done)
 
-    def unfinished(self, prefix: str) -> list[Upload]:
-        """Every unfinished multipart upload whose key starts with ``prefix``."""
-        found: list[Upload] = []
-        doing = "list unfinished uploads under"
-        for page in self.moves.pages("list_multipart_uploads", prefix, doing, Prefix=prefix):
-            for up in page.get("Uploads", ()):
-                started = up.get("Initiated")
-                found.append(
-                    (str(up["Key"]), str(up["UploadId"]), started.timestamp() if started else None)
-                )
-        return found
-
-    def abort(self, key: str, upload_id: str) -> None:
-        """Abort an unfinished upload; one that is already gone is not an error."""
-        doing = "abort the upload of"
-        try:
-            self.moves.call("abort_multipart_upload", key, doing, Key=key, UploadId=upload_id)
-        except ClientError as e:
-            if not is_not_found(e):  # NoSuchUpload
-                raise
-        self.moves.leftovers.forget(key, upload_id)
-
-    def settle(self) -> None:
-        """Abort the uploads recorded when the server did not answer (:mod:`.s3_leftovers`),
-        each under a short deadline of its own, never past the caller's; stop at the first
-        that gets no answer (the next write tries again). Never raises: the caller's own
-        requests tell what is wrong.
-        A thread that finds another settling goes on at once."""
-        leftovers = self.moves.leftovers
-        outer = current_deadline()
-        if outer is not None and outer.remaining() < SETTLE_MIN:
-            return  # the caller's deadline leaves no time to spare: a later write settles
-        if not leftovers or not leftovers.settling():
+    def _failed(
+        self,
+        error: BaseException,
+        key: str,
+        upload_id: str,
+        inflight: set[Future[Part]],
+        progress: Progress,
+    ) -> None:
+        """Abort the upload ``error`` ended; raise the deadline's error saying what became of
+        the upload, or warn. The caller raises ``error`` if this returns."""
+        fate = self._abort_after_failure(key, upload_id, inflight, progress)
+        if fate is None:
             return
-        try:
-            for key, upload_id in leftovers.pending():
-                try:
-                    with bounded(self._cleanup_deadline(outer.remaining() if outer else None)):
-                        if upload_id != UNKNOWN:
-                            self.abort(key, upload_id)
-                            continue
-                        for other_key, other, _ in self.unfinished(key):
-                            if other_key == key and not leftovers.live(other):
-                                self.abort(key, other)
-                        leftovers.forget(key, UNKNOWN)
-                except ClientError as e:  # an answer: no later try does better
-                    leftovers.forget(key, upload_id)
-                    logger.warning("multipart upload %s of %s %s (%s)", upload_id or "(unknown)",
-                                   self.moves.name(key), REFUSED, type(e).__name__)  # fmt: skip
-                except Exception as e:
-                    logger.debug("recorded uploads not aborted yet: %s", e)
-                    return
-        finally:
-            leftovers.settled()
+        deadline = current_deadline()
+        if isinstance(error, DeadlineExceededError) and error.upload_id == upload_id and deadline:
+            progress.upload_left = fate  # the error says what became of the upload
+            raise progress.deadline_error(deadline) from error.__cause__
+        logger.warning("multipart upload %s of %s %s", upload_id, self.moves.name(key), fate)
 
     # -- the steps ----------------------------------------------------------------------------
 
@@ -341,58 +413,3 @@ class Multipart:
             progress,
         )
         return {"PartNumber": n, "ETag": out["CopyPartResult"]["ETag"]}
-
-    def _abort_after_failure(
-        self, key: str, upload_id: str, inflight: set[Future[Part]], progress: Progress
-    ) -> str | None:
-        """Cancel the running parts, give them a moment, abort; abort again once the last
-        straggler has ended. Returns None if aborted, else what became of the upload (for the
-        error, which the caller raises)."""
-        progress.token.cancel("its upload was aborted")
-        for future in inflight:
-            future.cancel()
-        wait(inflight, timeout=ABORT_GRACE)
-        fate = self._abort_quietly(key, upload_id)
-        stragglers = [f for f in inflight if not f.done()]
-        if not stragglers:
-            return fate
-        left = [len(stragglers)]
-        lock = threading.Lock()
-
-        def ended(_: Future[Part]) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            self._abort_quietly(key, upload_id)
-
-        for future in stragglers:
-            future.add_done_callback(ended)
-        return fate
-
-    def _cleanup_deadline(self, cap: float | None = None) -> Deadline:
-        """A short deadline of its own for an abort (the save's may have passed), ``cap``
-        seconds at most."""
-        outer = current_deadline()
-        seconds = max(1.0, min(ABORT_TIMEOUT, self.moves.stall_timeout))
-        return Deadline.after(
-            seconds if cap is None else min(seconds, cap),
-            operation=outer.operation if outer else "save",
-            rank=outer.rank if outer else None,
-        )
-
-    def _abort_quietly(self, key: str, upload_id: str) -> str | None:
-        """Abort under a short deadline of its own; None if done, else what became of the
-        upload: recorded if the server did not answer (:mod:`.s3_leftovers`)."""
-        try:
-            with bounded(self._cleanup_deadline()):
-                self.abort(key, upload_id)
-        except ClientError as e:  # an answer, and a refusal: no later try does better
-            logger.debug("abort of %s refused: %s", upload_id, e)
-            return f"{REFUSED} ({type(e).__name__}: {e})"
-        except Exception as e:
-            self.moves.leftovers.record(key, upload_id)
-            logger.debug("abort of %s unanswered (%s): recorded", upload_id, type(e).__name__)
-            return RECORDED
-        logger.debug("aborted multipart upload %s of %s", upload_id, self.moves.name(key))
-        return None
