@@ -348,8 +348,10 @@ def test_the_search_is_bounded_in_depth_and_listings(tmp_path: Path) -> None:
     (tmp_path / "h" / "latest.json").write_text("{}")
     backend = LocalBackend(str(tmp_path), {})
     full = discover.find_stores(backend, depth=9)
-    assert full == discover.Search(("h", "a/s1", "b/c/s2", "d/e/f/g/s3"), False)
-    assert discover.find_stores(backend, depth=3) == discover.Search(("h", "a/s1", "b/c/s2"), True)
+    assert full == discover.StoresFound(("h", "a/s1", "b/c/s2", "d/e/f/g/s3"), False)
+    assert discover.find_stores(backend, depth=3) == discover.StoresFound(
+        ("h", "a/s1", "b/c/s2"), True
+    )
     cut = discover.find_stores(backend, depth=9, max_listings=3)
     assert cut.truncated and len(cut.found) < 4
 

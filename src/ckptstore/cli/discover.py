@@ -35,7 +35,7 @@ WORKERS = 8
 
 
 @dataclass(frozen=True)
-class Search:
+class StoresFound:
     """Where stores were found (paths relative to the URI searched), and whether a bound
     (depth or listings) stopped the search before it had looked everywhere."""
 
@@ -74,7 +74,7 @@ def is_store(names: Sequence[str]) -> bool:
 
 def find_stores(
     backend: Backend, *, depth: int = SEARCH_DEPTH, max_listings: int = MAX_LISTINGS
-) -> Search:
+) -> StoresFound:
     """The stores below ``backend``'s root, breadth first, in path order per level.
 
     The root itself is not reported: the caller asks because it holds no committed step.
@@ -106,7 +106,7 @@ def find_stores(
             level = below
             if not level:
                 break
-    return Search(tuple(found), truncated)
+    return StoresFound(tuple(found), truncated)
 
 
 def _walkable(name: str) -> bool:
@@ -145,7 +145,7 @@ def summarize(
         return list(pool.map(one, uris, stores))
 
 
-def stores_text(uri: str, stores: Sequence[FoundStore], search: Search, depth: int) -> str:
+def stores_text(uri: str, stores: Sequence[FoundStore], search: StoresFound, depth: int) -> str:
     """The human view: a heading, one row per store, a total and what to run next."""
     rows = [
         [

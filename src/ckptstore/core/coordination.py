@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 NOT_SAVED = "was not saved (nothing committed, staged files discarded)"
 
 
-class Saver(Protocol):
-    """What a coordinated save needs of its store (saving.py's ``Saver`` has it)."""
+class SaveTarget(Protocol):
+    """What a coordinated save needs of the store it commits in (saving.py's ``Saver`` has it)."""
 
     catalog: Catalog
     committer: Committer
@@ -144,7 +144,7 @@ def describe(error: BaseException) -> str:
 
 
 def stage(
-    saver: Saver,
+    saver: SaveTarget,
     plan: Plan,
     files: Iterable[SourceFile],
     progress: Progress | None = None,
@@ -171,7 +171,7 @@ def stage(
 class Coordinator:
     """One coordinated save of ``step`` into the saver's store (module docstring)."""
 
-    saver: Saver
+    saver: SaveTarget
     step: int
     kind: str
     plan: Plan
@@ -183,7 +183,7 @@ class Coordinator:
     @classmethod
     def begin(
         cls,
-        saver: Saver,
+        saver: SaveTarget,
         step: int,
         kind: str,
         *,
@@ -362,7 +362,7 @@ class Coordinator:
         )
 
 
-def check_not_behind(saver: Saver, step: int, latest: int | None) -> None:
+def check_not_behind(saver: SaveTarget, step: int, latest: int | None) -> None:
     """Refuse a step older than ``latest``: nearly always a rerun that forgot to resume,
     whose saves retention would delete right after committing them. A pointer ahead of every
     committed step (its step deleted behind its back) is no reason to refuse:
@@ -385,7 +385,7 @@ def check_not_behind(saver: Saver, step: int, latest: int | None) -> None:
     )
 
 
-def _check_step_is_free(saver: Saver, step: int) -> None:
+def _check_step_is_free(saver: SaveTarget, step: int) -> None:
     """Refuse a committed step before anything is uploaded; remove a step that a writer
     fenced off by a lease takeover committed (pointer.py), since it is never loaded."""
     catalog = saver.catalog
@@ -422,7 +422,7 @@ def _check_step_is_free(saver: Saver, step: int) -> None:
     )
 
 
-def _latest_read(saver: Saver, kind: str) -> tuple[int | None, Manifest | None]:
+def _latest_read(saver: SaveTarget, kind: str) -> tuple[int | None, Manifest | None]:
     """``latest``'s step, and (incremental, same kind) its manifest, whose unchanged files
     the participants copy: one pointer read and one manifest read per save."""
     latest = saver.latest_step()

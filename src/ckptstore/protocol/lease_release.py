@@ -25,7 +25,7 @@ from ckptstore.deadline import Deadline, bounded
 from ckptstore.errors import BackendError, ErrorContext
 
 
-class WriterLease(Protocol):
+class Releasable(Protocol):
     """What this module uses of a lease (lease.py's WriterLease)."""
 
     backend: Backend
@@ -41,39 +41,39 @@ HURRIED_RELEASE = 5.0
 """Seconds giving the lease up may take while a Ctrl-C unwinds or the interpreter exits: the
 write runs on a daemon thread under a deadline of its own, and is left behind after that."""
 
-_HOLDERS: weakref.WeakValueDictionary[tuple[str, str], WriterLease] = weakref.WeakValueDictionary()
+_HOLDERS: weakref.WeakValueDictionary[tuple[str, str], Releasable] = weakref.WeakValueDictionary()
 """The leases this process holds, by store URI and writer id (a tiered store's two tiers share
 one writer id): for a contender in this process, which need not guess, and for the release at
 exit (one hook for all, so nothing piles up)."""
-_ABANDONED: queue.SimpleQueue[WriterLease] = queue.SimpleQueue()
+_ABANDONED: queue.SimpleQueue[Releasable] = queue.SimpleQueue()
 """Leases whose store was collected, for the releaser thread (SimpleQueue.put is safe in a
 finalizer, which may run in any thread at any allocation)."""
 _releaser: list[threading.Thread] = []
 
 
-def holding(lease: WriterLease) -> None:
+def holding(lease: Releasable) -> None:
     """``lease`` was taken: known to contenders in this process, released at exit."""
     _HOLDERS[lease.backend.uri, lease.writer] = lease
     _start_releaser()
 
 
-def held_here(uri: str, writer: str) -> WriterLease | None:
+def held_here(uri: str, writer: str) -> Releasable | None:
     """The lease ``writer`` holds on the store at ``uri`` in this process, if any."""
     return _HOLDERS.get((uri, writer))
 
 
-def let_go(lease: WriterLease) -> None:
+def let_go(lease: Releasable) -> None:
     """``lease`` was released (or given up trying): nothing left to do at exit."""
     _HOLDERS.pop((lease.backend.uri, lease.writer), None)
 
 
-def release_when_collected(owner: object, lease: WriterLease) -> None:
+def release_when_collected(owner: object, lease: Releasable) -> None:
     """Have the releaser thread release ``lease`` once ``owner`` (its store) is collected,
     holding no reference to ``owner``."""
     weakref.finalize(owner, _abandon, lease).atexit = False  # _release_all does exit
 
 
-def _abandon(lease: WriterLease) -> None:
+def _abandon(lease: Releasable) -> None:
     lease.abandoned = True
     _ABANDONED.put(lease)
 
