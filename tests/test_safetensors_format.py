@@ -266,3 +266,18 @@ def test_the_library_judges_a_stand_in_and_leaves_no_file(
         decode_shard(bytearray(bad), "bad")
     assert judged == [(tmp_path, len(good)), (tmp_path, len(bad))]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_without_a_temporary_directory_a_shard_still_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only or full temporary directory costs the library's judgement, not the load."""
+    want = tensors()
+    data = bytearray(shard_bytes(want))
+
+    def no_room(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkstemp", no_room)
+    assert_same_tensors(decode_shard(data, "global_step_3/m-00000.safetensors"), want)
+    torn = data[:8] + b"[" + data[9:]  # not a JSON object: still named as corrupt
+    with pytest.raises(CorruptCheckpointError, match=r"global_step_3/m-00000\.safetensors"):
+        decode_shard(torn, "global_step_3/m-00000.safetensors")

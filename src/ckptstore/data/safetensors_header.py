@@ -26,6 +26,7 @@ header it accepted.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
@@ -38,6 +39,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ckptstore.errors import CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
 
 LENGTH_BYTES = 8
 """The header starts with its own length, a little-endian u64."""
@@ -150,8 +153,19 @@ def parse(head: bytes | bytearray | memoryview, size: int, where: str) -> Header
 
 
 def _library_check(head: bytes, size: int, where: str) -> dict[str, str]:
-    """Let ``safe_open`` judge ``head`` as the start of a ``size``-byte file; its metadata."""
-    fd, path = tempfile.mkstemp(prefix="ckptstore-header-", suffix=".safetensors")
+    """Let ``safe_open`` judge ``head`` as the start of a ``size``-byte file; its metadata.
+
+    Where no temporary file can be made (a read-only or full temporary directory), a load must
+    not fail for it: the header is then read without the library's judgement, as before it."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="ckptstore-header-", suffix=".safetensors")
+    except OSError as e:
+        logger.debug("no stand-in for the header of %s (%s): read unchecked", where, e)
+        try:
+            metadata = json.loads(head[LENGTH_BYTES:]).get("__metadata__") or {}
+        except (ValueError, AttributeError) as bad:
+            raise _corrupt(where, f"the header is not a JSON object: {bad}") from bad
+        return {str(k): str(v) for k, v in metadata.items()}
     try:
         with os.fdopen(fd, "wb") as stand_in:
             stand_in.write(head)
