@@ -29,7 +29,7 @@ def open_uploads(client: Any, bucket: str) -> set[str]:
 def leftovers_of(store: CheckpointStore) -> Leftovers:
     backend = store.backend
     assert isinstance(backend, S3Backend)
-    return backend._transfers.leftovers
+    return backend.leftovers
 
 
 def test_the_next_save_aborts_a_recorded_upload_and_no_other(

@@ -61,6 +61,7 @@ from ckptstore.backends.base import (
     error_context,
 )
 from ckptstore.backends.s3_errors import is_not_found
+from ckptstore.backends.s3_leftovers import Leftovers
 from ckptstore.backends.s3_namespace import Namespace
 from ckptstore.backends.s3_options import S3Options, parse_s3_uri
 from ckptstore.backends.s3_probe import PROBE_PREFIX, bare, capabilities, probe
@@ -138,6 +139,12 @@ class S3Backend(BaseBackend):
     def retrier(self) -> Retrier:
         """How this backend's requests are retried and timed out (s3_retry.py)."""
         return self._transfers.retrier
+
+    @property
+    def leftovers(self) -> Leftovers:
+        """The uploads this process could not abort yet (s3_leftovers.py), which the next
+        write, ``close()`` or ``gc`` aborts."""
+        return self._transfers.leftovers
 
     # -- reads ------------------------------------------------------------------------------
 
