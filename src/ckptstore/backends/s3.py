@@ -94,15 +94,7 @@ class S3Backend(BaseBackend):
         self._caps: Capabilities | None = None
         self._unquoted_if_match = False
         self._bucket_checked = False
-        self._transfers = Transfers(
-            self._client,
-            self._bucket,
-            self._opts.max_concurrency,
-            self._opts.max_attempts,
-            checksums=self._opts.checksums,
-            stall_timeout=self._opts.stall_timeout,
-            retry_timeout=self._opts.retry_timeout,
-        )
+        self._transfers = Transfers.for_options(self._client, self._bucket, self._opts)
         self._namespace = Namespace(
             self._uri, self._base, self._transfers, self._errors, self._warn_once
         )

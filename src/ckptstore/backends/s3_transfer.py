@@ -43,6 +43,7 @@ from ckptstore.backends.s3_options import (
     DEFAULT_RETRY_TIMEOUT,
     DEFAULT_STALL_TIMEOUT,
     MAX_SINGLE_PUT,
+    S3Options,
 )
 from ckptstore.backends.s3_progress import Meter, Progress, ProgressBody
 from ckptstore.backends.s3_rate import SendRate, rate_for
@@ -84,6 +85,19 @@ class Transfers:
     object that needs more than ``s3_multipart.MAX_PARTS`` parts is a ConfigError, and a
     deadline that passed is its SaveTimeoutError or LoadTimeoutError.
     """
+
+    @classmethod
+    def for_options(cls, client: Any, bucket: str, opts: S3Options) -> Transfers:
+        """The transfers of one backend, as its storage options say."""
+        return cls(
+            client,
+            bucket,
+            opts.max_concurrency,
+            opts.max_attempts,
+            checksums=opts.checksums,
+            stall_timeout=opts.stall_timeout,
+            retry_timeout=opts.retry_timeout,
+        )
 
     def __init__(
         self,
