@@ -6,6 +6,7 @@ between chunks. Clocks are fakes wherever time is the subject."""
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,14 @@ from ckptstore.backends.s3_progress import (
 )
 from ckptstore.backends.s3_rate import MIN_RATE, SendRate
 from ckptstore.backends.s3_retry import BACKOFF, Kind, Retrier, classify
-from ckptstore.deadline import Deadline, bounded, current_deadline, submit
+from ckptstore.deadline import (
+    CLEANUP_SLACK,
+    Deadline,
+    bounded,
+    clean_up,
+    current_deadline,
+    submit,
+)
 from ckptstore.errors import (
     CheckpointError,
     DeadlineExceededError,
@@ -87,6 +95,7 @@ def test_the_error_names_rank_file_upload_bytes_and_last_error_and_survives_pick
         assert part in message
     assert "5242880 bytes done" in message and "UploadPart 2 stalled" in message
     assert "save_timeout" in message  # the fix
+    assert "Check the storage (the last error says what failed)" in message
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is SaveTimeoutError and str(back) == message
     assert (back.rank, back.upload_id, back.bytes_done, back.last_error, back.timeout) == (
@@ -99,7 +108,35 @@ def test_the_error_names_rank_file_upload_bytes_and_last_error_and_survives_pick
     assert back.uri == "s3://b/run/global_step_3/rank_00007/w.safetensors"
     load = Deadline.after(5, operation="load").error("s3://b/run/f", doing="read")
     assert isinstance(load, LoadTimeoutError) and "load ran past its 5 s deadline" in str(load)
-    assert "no request had failed" in str(load)
+    assert "no request had failed" in str(load) and "last error says" not in str(load)
+    assert "Check that the storage answers" in str(load) and "load_timeout" in str(load)
+
+
+def test_a_cleanup_is_awaited_until_the_deadline_and_slack_then_left_to_the_background(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    removed: list[str] = []
+    assert clean_up(lambda: removed.append("now"), "a file") is True  # no deadline: awaited
+    assert removed == ["now"]
+    release = threading.Event()
+
+    def slow_removal() -> None:  # a server that stopped answering
+        release.wait(30)
+        removed.append("later")
+
+    with bounded(Deadline.after(0.0)):  # already past: waits CLEANUP_SLACK at most
+        started = time.monotonic()
+        finished = clean_up(slow_removal, "a file", otherwise="the next export overwrites it")
+        waited = time.monotonic() - started
+    assert finished is False and removed == ["now"]
+    assert "removing a file goes on in the background" in caplog.text
+    assert "if it cannot finish, the next export overwrites it" in caplog.text
+    assert CLEANUP_SLACK - 0.1 <= waited < CLEANUP_SLACK + 5
+    release.set()  # the removal goes on in its own thread and finishes
+    until = time.monotonic() + 10
+    while removed != ["now", "later"] and time.monotonic() < until:
+        time.sleep(0.01)
+    assert removed == ["now", "later"]
 
 
 def test_bounded_sets_and_restores_the_deadline_and_submit_carries_it_to_a_pool() -> None:

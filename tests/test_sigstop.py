@@ -348,6 +348,8 @@ def test_a_save_on_two_ranks_fails_by_its_deadline(
     assert results == [True]
     for took, failure, loaded_back in outcomes:
         assert "SaveTimeoutError" in failure or "deadline" in failure, failure
+        if face is _save_distributed:  # the coordinator's removal could not finish: it says so
+            assert "removing its staged files goes on in the background" in failure, failure
         assert took < TIMEOUT + SLACK, f"failed after {took:.1f} s"
         assert loaded_back
     assert server.uploads(bucket) == []

@@ -168,9 +168,11 @@ class Deadline:
         detail = f" ({', '.join(facts)})" if facts else ""
         cause = f"; last error: {last_error}" if last_error else "; no request had failed"
         setting = "save_timeout" if self.operation == "save" else "load_timeout"
+        check = "the storage (the last error says what failed)" if last_error else (
+            "that the storage answers")  # fmt: skip
         message = (
-            f"{who} ran past its {self.seconds:g} s deadline{what}{detail}{cause}. Check the "
-            f"storage (the last error says what failed) or raise {setting}"
+            f"{who} ran past its {self.seconds:g} s deadline{what}{detail}{cause}. Check {check} "
+            f"or raise {setting}"
         )
         if upload_id and upload_left is not None:
             message += f". Its multipart upload {upload_id} {upload_left}"
@@ -217,13 +219,16 @@ def cleanup_time() -> contextlib.AbstractContextManager[Deadline | None]:
     return bounded(Deadline.after(CLEANUP_SECONDS))
 
 
-def clean_up(remove: Callable[[], None], what: str) -> bool:
+def clean_up(
+    remove: Callable[[], None], what: str, *, otherwise: str = "`ckptstore gc` removes it"
+) -> bool:
     """Run ``remove`` (a failed save's files) under :func:`cleanup_time`. With a deadline in
     force, wait for it until that deadline plus :data:`CLEANUP_SLACK` at most (however many
     cleanups a failed save runs one after another, they end by then), then let it go
     on in the background (a daemon thread, by its own deadline) and return False, so the
-    save's error is raised on time; ``gc`` removes whatever it could not. Its own failure is
-    logged: the save's error is the one that matters."""
+    save's error is raised on time; ``otherwise`` says what removes whatever it could not
+    (``gc``, for a store's files). Its own failure is logged: the save's error is the one that
+    matters."""
     outer = _CURRENT.get()
 
     done = threading.Event()
@@ -233,7 +238,7 @@ def clean_up(remove: Callable[[], None], what: str) -> bool:
             with cleanup_time():
                 remove()
         except Exception as e:
-            log.warning("could not remove %s (%s); `ckptstore gc` removes it", what, e)
+            log.warning("could not remove %s (%s); %s", what, e, otherwise)
         finally:
             done.set()
 
@@ -245,7 +250,7 @@ def clean_up(remove: Callable[[], None], what: str) -> bool:
     if done.wait(max(0.0, outer.expires + CLEANUP_SLACK - outer.clock())):
         return True
     log.warning("removing %s goes on in the background (the server is slow or not answering); "
-                "`ckptstore gc` removes what it cannot", what)  # fmt: skip
+                "if it cannot finish, %s", what, otherwise)  # fmt: skip
     return False
 
 

@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NOT_SAVED = "was not saved (nothing committed, staged files discarded)"
+NOT_SAVED_YET_REMOVED = (
+    "was not saved (nothing committed; removing its staged files goes on in the background, "
+    "`ckptstore gc` removes what is left)"
+)
 
 
 class SaveTarget(Protocol):
@@ -233,8 +237,8 @@ class Coordinator:
         reports = list(reports)
         failures = {r.participant: r.error for r in reports if r.error is not None}
         if failures:
-            self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
-            raise self._failed(failures, NOT_SAVED)
+            removed = self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
+            raise self._failed(failures, NOT_SAVED if removed else NOT_SAVED_YET_REMOVED)
         entries = [e for r in reports for e in r.entries]
         seen = [e for r in reports if r.tier in (None, self.saver.uri) for e in r.entries]
         try:
@@ -329,14 +333,17 @@ class Coordinator:
                         "readers find it by listing, and the next save moves latest",
                         self.saver.uri, self.step, e)  # fmt: skip
 
-    def discard(self, attempts: Iterable[str] = ()) -> None:
+    def discard(self, attempts: Iterable[str] = ()) -> bool:
         """Remove what this save's participants staged (``attempts`` they reported, and any
         attempt whose marker names this save), and nothing of a rival's save of the step; by
         the save's deadline, then in the background (:func:`~ckptstore.deadline.clean_up`), so
-        every participant learns the outcome in time."""
+        every participant learns the outcome in time. False: the removal goes on in the
+        background."""
         doomed, remover = set(attempts), self.saver.remover
         with self.running():
-            clean_up(lambda: remover.discard_save(self.step, self.plan.save, doomed), self._files)
+            return clean_up(
+                lambda: remover.discard_save(self.step, self.plan.save, doomed), self._files
+            )
 
     @property
     def _files(self) -> str:

@@ -152,7 +152,8 @@ class StoreTarget:
         if self._written:  # under a deadline of its own: the export's may have passed
             written, self._written = self._written, []
             what = f"the files of a failed export at {self.uri}"
-            clean_up(lambda: self.backend.delete(written), what)
+            by_hand = "the next export to it overwrites them (gc does not look there)"
+            clean_up(lambda: self.backend.delete(written), what, otherwise=by_hand)
 
     def close(self) -> None:
         self.abort()
