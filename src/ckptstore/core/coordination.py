@@ -75,21 +75,13 @@ class SaveTarget(Protocol):
 
     @property
     def uri(self) -> str: ...
-
     def latest_step(self) -> int | None: ...  # the step not to fall behind, in any tier
-
     def holds(self, step: int) -> bool: ...  # committed and readable in a tier of the store
-
     def fences(self) -> Pointer | None: ...  # the pointer whose fences judge every tier
-
     def drain(self) -> None: ...
-
     def environment(self) -> Environment: ...
-
     def clock(self) -> float: ...
-
     def hold_lease(self) -> int: ...
-
     def ensure_lease(self) -> int: ...
 
     def due(self, step: int) -> bool:
