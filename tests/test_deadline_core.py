@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,20 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
+from ckptstore.core.coordination import Staged
 from ckptstore.data.payload import SourceFile
 from ckptstore.domain.layout import LATEST_NAME
 from ckptstore.domain.manifest import KIND_DIRECTORY
 from ckptstore.errors import BackendError, DistributedCheckpointError, SaveTimeoutError
 from ckptstore.integrations.distributed import load_distributed, save_distributed
 from slow import Slow
+
+
+class RefusesDeletes(BackendProxy):
+    """A bucket whose policy denies deletes to this writer."""
+
+    def delete(self, paths: Sequence[str]) -> None:
+        raise BackendError(f"{self.uri}: AccessDenied on DeleteObjects")
 
 
 class MutePointer(BackendProxy):
@@ -70,6 +79,28 @@ def test_participants_stage_by_the_deadline_the_coordinator_began(tmp_path: Path
     coordinator.discard()
     coordinator_store.close()
     participant.close()
+
+
+def test_a_failed_save_whose_files_cannot_be_removed_does_not_say_they_were(
+    tmp_path: Path,
+) -> None:
+    uri = str(tmp_path / "store")
+    refusing = RefusesDeletes(LocalBackend(uri, {}))
+    with CheckpointStore(uri, backend=refusing, lease=False) as store:
+        coordinator = store.begin_save(1, kind=KIND_DIRECTORY)
+        mine = coordinator.stage_here([SourceFile("rank_0/a.bin", lambda: [b"rank 0"])])
+        failed = Staged.failure(1, OSError("rank 1: no space left on device"))
+        with pytest.raises(DistributedCheckpointError) as caught:
+            coordinator.conclude([Staged(0, tuple(mine)), failed])
+    message = str(caught.value)
+    assert "step 1 was not saved (nothing committed; removing its staged files failed (" in message
+    assert "AccessDenied on DeleteObjects" in message and "staged files discarded" not in message
+    assert "`ckptstore gc` removes what is left" in message and "rank 1: no space" in message
+    with CheckpointStore(uri, lease=False) as store:
+        assert store.list() == []
+        report = store.gc(older_than=0)  # what the message promises
+    assert any(path.endswith("rank_0/a.bin") for path in report.deleted)
+    assert not list((tmp_path / "store").glob("global_step_1/.attempt-*"))  # a tombstone at most
 
 
 def test_load_distributed_runs_by_the_load_timeout(tmp_path: Path) -> None:

@@ -221,37 +221,41 @@ def cleanup_time() -> contextlib.AbstractContextManager[Deadline | None]:
 
 def clean_up(
     remove: Callable[[], None], what: str, *, otherwise: str = "`ckptstore gc` removes it"
-) -> bool:
+) -> str | None:
     """Run ``remove`` (a failed save's files) under :func:`cleanup_time`. With a deadline in
     force, wait for it until that deadline plus :data:`CLEANUP_SLACK` at most (however many
-    cleanups a failed save runs one after another, they end by then), then let it go
-    on in the background (a daemon thread, by its own deadline) and return False, so the
-    save's error is raised on time; ``otherwise`` says what removes whatever it could not
-    (``gc``, for a store's files). Its own failure is logged: the save's error is the one that
-    matters."""
+    cleanups a failed save runs one after another, they end by then), then let it go on in the
+    background (a daemon thread, by its own deadline), so the save's error is raised on time.
+    ``otherwise`` says what removes whatever it could not (``gc``, for a store's files). Its own
+    failure is logged: the save's error is the one that matters.
+
+    None: removed. Else what became of the removal, for the save's error to say: ``"failed
+    (...)"`` or ``"goes on in the background"``."""
     outer = _CURRENT.get()
 
     done = threading.Event()
+    failure: list[str] = []
 
     def run() -> None:
         try:
             with cleanup_time():
                 remove()
         except Exception as e:
+            failure.append(f"failed ({e})")
             log.warning("could not remove %s (%s); %s", what, e, otherwise)
         finally:
             done.set()
 
     if outer is None:
         run()
-        return True
-    context = contextvars.copy_context()
-    threading.Thread(target=context.run, args=(run,), name="ckpt-cleanup", daemon=True).start()
-    if done.wait(max(0.0, outer.expires + CLEANUP_SLACK - outer.clock())):
-        return True
-    log.warning("removing %s goes on in the background (the server is slow or not answering); "
-                "if it cannot finish, %s", what, otherwise)  # fmt: skip
-    return False
+    else:
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(run,), name="ckpt-cleanup", daemon=True).start()
+        if not done.wait(max(0.0, outer.expires + CLEANUP_SLACK - outer.clock())):
+            log.warning("removing %s goes on in the background (the server is slow or not "
+                        "answering); if it cannot finish, %s", what, otherwise)  # fmt: skip
+            return "goes on in the background"
+    return failure[0] if failure else None
 
 
 def within(

@@ -57,11 +57,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NOT_SAVED = "was not saved (nothing committed, staged files discarded)"
-NOT_SAVED_YET_REMOVED = (
-    "was not saved (nothing committed; removing its staged files goes on in the background, "
-    "`ckptstore gc` removes what is left)"
-)
+
+def not_saved(removal: str | None = None) -> str:
+    """What became of a step not saved, its staged files' ``removal`` (clean_up's) included."""
+    if removal is None:
+        return "was not saved (nothing committed, staged files discarded)"
+    return (f"was not saved (nothing committed; removing its staged files {removal}, "
+            "`ckptstore gc` removes what is left)")  # fmt: skip
 
 
 class SaveTarget(Protocol):
@@ -229,8 +231,8 @@ class Coordinator:
         reports = list(reports)
         failures = {r.participant: r.error for r in reports if r.error is not None}
         if failures:
-            removed = self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
-            raise self._failed(failures, NOT_SAVED if removed else NOT_SAVED_YET_REMOVED)
+            removal = self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
+            raise self._failed(failures, not_saved(removal))
         entries = [e for r in reports for e in r.entries]
         seen = [e for r in reports if r.tier in (None, self.saver.uri) for e in r.entries]
         try:
@@ -325,12 +327,11 @@ class Coordinator:
                         "readers find it by listing, and the next save moves latest",
                         self.saver.uri, self.step, e)  # fmt: skip
 
-    def discard(self, attempts: Iterable[str] = ()) -> bool:
+    def discard(self, attempts: Iterable[str] = ()) -> str | None:
         """Remove what this save's participants staged (``attempts`` they reported, and any
         attempt whose marker names this save), and nothing of a rival's save of the step; by
-        the save's deadline, then in the background (:func:`~ckptstore.deadline.clean_up`), so
-        every participant learns the outcome in time. False: the removal goes on in the
-        background."""
+        the save's deadline, then in the background, so every participant learns the outcome in
+        time. What became of the removal: :func:`~ckptstore.deadline.clean_up`'s answer."""
         doomed, remover = set(attempts), self.saver.remover
         with self.running():
             return clean_up(
@@ -347,7 +348,7 @@ class Coordinator:
         except CheckpointError:
             return f"failed on {coordinator} and may be committed (see `ckptstore ls`)"
         return f"is committed, but {coordinator} failed after committing it" if committed else (
-            NOT_SAVED)  # fmt: skip
+            not_saved())  # fmt: skip
 
     def _failed(self, failures: Mapping[int | str, str], what: str) -> DistributedCheckpointError:
         listed = "; ".join(f"{_label(p)}: {text}" for p, text in _ordered(failures))

@@ -162,13 +162,11 @@ class Remover:
         participants reported, and those whose marker names ``save`` (a participant that
         failed half-way); never another writer's, a new lease holder saving the same step
         included. Nobody else commits these attempts, so the tombstone goes at once. A
-        failure is logged, gc finishes."""
-        try:
-            doomed = set(attempts) | self._attempts_of(step, save)
-            if doomed:
-                self.abort_step(step, doomed, keep_tombstone=False)
-        except CheckpointError as e:
-            log.warning("could not clean up uncommitted step %d (gc will): %s", step, e)
+        failure is raised: the coordinator's error says the files are not removed (gc
+        finishes)."""
+        doomed = set(attempts) | self._attempts_of(step, save)
+        if doomed:
+            self.abort_step(step, doomed, keep_tombstone=False)
 
     def _attempts_of(self, step: int, save: str | None) -> set[str]:
         """The attempts of ``step`` whose marker names ``save`` (one GET per attempt)."""
