@@ -8,6 +8,7 @@ The tree, and when each is raised::
 
     CheckpointError                  root: everything ckptstore raises on purpose
      +-- ConfigError                 bad user input: URI, scheme, option, step (a ValueError too)
+     |    +-- ForeignTierError        a local tier's directory belongs to another store
      +-- NotFoundError               a step, object or store that should exist does not
      |    +-- WaitTimeoutError       no newer step was committed within a wait's timeout
      +-- IncompleteCheckpointError   a step lacks files its manifest lists, or was never committed
@@ -132,6 +133,10 @@ def _rebuild(
 
 class ConfigError(CheckpointError, ValueError):
     """Bad user input: a malformed URI, unknown scheme, invalid option or step."""
+
+
+class ForeignTierError(ConfigError):
+    """A local tier's directory belongs to another store (tiers/identity.py)."""
 
 
 class NotFoundError(CheckpointError):

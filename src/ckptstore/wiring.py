@@ -43,6 +43,7 @@ from ckptstore.protocol.maintenance import Maintenance
 from ckptstore.protocol.pruning import Pins, Pruner
 from ckptstore.protocol.removal import Remover
 from ckptstore.replication.destination import Replica
+from ckptstore.tiers.identity import claim
 from ckptstore.tiers.local import DEFAULT_LOCAL_KEEP_LAST, LocalTier, TierPins
 from ckptstore.tiers.persister import Persister
 
@@ -86,7 +87,7 @@ def assemble(
     key = key_bytes(options.signing_key) if options.signing_key is not None else None
     key = key if key is not None else signing_key_from_env()
     signer = Signer(key) if key is not None else None
-    local = _local_tier(options, writer, signer, clock)
+    local = _local_tier(options, writer, signer, clock, backend.uri)
     catalog = Catalog(backend, signer=signer)
     remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
     faster = (local.catalog,) if local is not None else ()
@@ -128,19 +129,26 @@ def assemble(
 
 
 def _local_tier(
-    options: StoreOptions, writer: str, signer: Signer | None, clock: Callable[[], float]
+    options: StoreOptions,
+    writer: str,
+    signer: Signer | None,
+    clock: Callable[[], float],
+    store: str,
 ) -> LocalTier | None:
     """The engines of the local tier, when the store has one: its own retention
-    (``local_keep_last``), the store's writer id and signing key, no lease of its own."""
+    (``local_keep_last``), the store's writer id and signing key, no lease of its own, and
+    the directory claimed for ``store`` (identity.py: another store's is refused)."""
     if options.local is None:
         return None
     backend = open_backend(options.local, {})
+    identity = claim(backend, store)
     catalog = Catalog(backend, signer=signer)
     remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
     committer = Committer(catalog, remover, writer=writer, clock=clock)
     pins = TierPins(backend)
     keep = RetentionPolicy(options.local_keep_last or DEFAULT_LOCAL_KEEP_LAST)
-    return LocalTier(catalog, committer, remover, pins, Pruner(catalog, remover, keep, pins))
+    pruner = Pruner(catalog, remover, keep, pins)
+    return LocalTier(catalog, committer, remover, pins, pruner, identity)
 
 
 def _nothing() -> None:

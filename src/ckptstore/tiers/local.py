@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from ckptstore.protocol.commit import Committer
     from ckptstore.protocol.pruning import Pruner
     from ckptstore.protocol.removal import Remover
+    from ckptstore.tiers.identity import TierIdentity
 
 log = logging.getLogger(__name__)
 DEFAULT_LOCAL_KEEP_LAST = 2
@@ -135,6 +136,8 @@ class LocalTier:
     remover: Remover
     pins: TierPins
     pruner: Pruner
+    identity: TierIdentity
+    """The store this directory serves and the node it is on (identity.py)."""
 
     @property
     def uri(self) -> str:
