@@ -120,7 +120,7 @@ def assemble(
         front = Saver(
             local.catalog, local.committer, local.remover, lease, persister.retain_local,
             environment, clock, options.incremental, options.shard_size, in_flight.drain,
-            observer, options.save_timeout, tiers=persister,
+            observer, options.save_timeout, tiers=persister, node=local.identity.node,
         )  # fmt: skip
     return Parts(
         writer, signer, catalog, remover, committer, resolver, lease, pruner, maintenance,
