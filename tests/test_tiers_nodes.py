@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ckptstore import CheckpointStore
+from ckptstore.errors import DistributedCheckpointError
 from ckptstore.integrations.distributed import load_distributed, save_distributed
 from ckptstore.integrations.verl import commit_step, prepare_resume
 from ckptstore.integrations.verl_nodes import NodeAgent
@@ -265,3 +266,51 @@ def test_verl_per_node_tiers_with_every_node_at_one_path(
     whole = {rel: body for files in verl_files(nodes, 3).values() for rel, body in files.items()}
     for k in range(nodes):
         assert pulled[k * c.ranks_per_node] == whole, f"node {k}"
+
+
+# -- a failed multi-node save ----------------------------------------------------------------
+
+
+class NotATensor:
+    """A value that needs pickle: the rank holding it fails to stage (allow_pickle=False)."""
+
+
+def _fail_step_2(rank: int, world: int, uri: str, options: dict[str, Any], local: str) -> str:
+    """Every step is due, so each rank copies its files to the bucket as soon as it staged
+    them; step 2 fails on the last rank (its state cannot be encoded)."""
+    store = open_rank(uri, options, local, rank, persist_every=1)
+    save_distributed(store, 1, rank_state(rank, 1))
+    store.wait()
+    state: dict[str, Any] = rank_state(rank, 2)
+    if rank == world - 1:
+        state["x"] = NotATensor()
+    with pytest.raises(DistributedCheckpointError) as failed:
+        save_distributed(store, 2, state)
+    store.close()  # no share of the failed step is reported as a failed persist
+    return str(failed.value)
+
+
+@pytest.mark.parametrize("nodes", [2])
+def test_a_failed_multi_node_save_leaves_nothing_in_the_bucket(
+    nodes: int,
+    cluster: Callable[..., Cluster],
+    s3_uri: str,
+    s3_bucket: str,
+    s3_client: Any,
+    s3_options: dict[str, Any],
+) -> None:
+    """The shares of the step that reached the bucket before the save failed are removed,
+    by their node once its copy is done, and no rank is told otherwise."""
+    c = cluster(nodes)
+    errors = c.run(_fail_step_2, s3_uri, s3_options, c.local)
+    assert all("step 2 was not saved" in e for e in errors), errors
+    assert all(f"each node removes its copies from {s3_uri}" in e for e in errors), errors
+    assert bucket_steps(s3_uri, s3_options) == [1]
+    prefix = s3_uri.split(f"{s3_bucket}/", 1)[1]
+    listed = s3_client.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/global_step_2/")
+    left = [o["Key"] for o in listed.get("Contents", [])]
+    assert left == [], left  # no node's share of the failed step stays
+    for k in range(nodes):
+        assert not (c.disk(k) / "global_step_2").exists() or not any(
+            p.is_file() for p in (c.disk(k) / "global_step_2").rglob("*")
+        ), f"node {k} kept files of the failed step"

@@ -58,12 +58,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def not_saved(removal: str | None = None) -> str:
-    """What became of a step not saved, its staged files' ``removal`` (clean_up's) included."""
+def not_saved(removal: str | None = None, *, shared: str | None = None) -> str:
+    """What became of a step not saved, its staged files' ``removal`` (clean_up's) included;
+    ``shared``: the durable tier that the participants of a tiered save were copying their
+    files to, which each participant clears of its own copies once they end (node_tier.py)."""
+    if shared is not None:
+        tail = (f"; each node removes its copies from {shared} once they end, and `ckptstore gc` "
+                "there removes what a node could not")  # fmt: skip
+    else:
+        tail = ""
     if removal is None:
-        return "was not saved (nothing committed, staged files discarded)"
+        return f"was not saved (nothing committed, staged files discarded{tail})"
     return (f"was not saved (nothing committed; removing its staged files {removal}, "
-            "`ckptstore gc` removes what is left)")  # fmt: skip
+            f"`ckptstore gc` removes what is left{tail})")  # fmt: skip
 
 
 class SaveTarget(Protocol):
@@ -86,6 +93,15 @@ class SaveTarget(Protocol):
     def clock(self) -> float: ...
     def hold_lease(self) -> int: ...
     def ensure_lease(self) -> int: ...
+
+    def discard_save(self, step: int, save: str | None, attempts: set[str]) -> None:
+        """Remove what a save that will not be committed staged, in every tier (saving.py)."""
+        ...
+
+    def shares_to(self, plan: Plan) -> str | None:
+        """The durable tier the participants of ``plan`` copy their files to as they stage
+        them (a due step of a tiered store), or None (saving.py)."""
+        ...
 
     def due(self, step: int) -> bool:
         """Whether ``step``, once committed, is due for the durable tier (saving.py)."""
@@ -234,7 +250,7 @@ class Coordinator:
         failures = {r.participant: r.error for r in reports if r.error is not None}
         if failures:
             removal = self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
-            raise self._failed(failures, not_saved(removal))
+            raise self._failed(failures, not_saved(removal, shared=self.saver.shares_to(self.plan)))
         entries = [e for r in reports for e in r.entries]
         seen = [e for r in reports if self.sees(r) for e in r.entries]
         try:
@@ -343,10 +359,10 @@ class Coordinator:
         attempt whose marker names this save), and nothing of a rival's save of the step; by
         the save's deadline, then in the background, so every participant learns the outcome in
         time. What became of the removal: :func:`~ckptstore.deadline.clean_up`'s answer."""
-        doomed, remover = set(attempts), self.saver.remover
+        doomed, saver = set(attempts), self.saver
         with self.running():
             return clean_up(
-                lambda: remover.discard_save(self.step, self.plan.save, doomed), self._files
+                lambda: saver.discard_save(self.step, self.plan.save, doomed), self._files
             )
 
     @property

@@ -52,6 +52,11 @@ class Tiers(Protocol):
 
     def staged(self, plan: Plan, entries: Sequence[FileEntry]) -> None: ...
 
+    def abandon(self, step: int, attempts: set[str]) -> None: ...
+
+    @property
+    def durable_uri(self) -> str: ...
+
 
 @dataclass
 class Saver:
@@ -141,6 +146,19 @@ class Saver:
         """A participant staged ``entries`` in the local tier (tiers/local.py)."""
         if self.tiers is not None:
             self.tiers.staged(plan, entries)
+
+    def shares_to(self, plan: Plan) -> str | None:
+        """The durable tier's URI if ``plan``'s participants copy their files there as they
+        stage them (a due step of a tiered store: node_tier.py), else None."""
+        return self.tiers.durable_uri if self.tiers is not None and plan.due else None
+
+    def discard_save(self, step: int, save: str | None, attempts: set[str]) -> None:
+        """Remove what a coordinated save that will not be committed staged here (its
+        ``attempts`` and those whose marker names ``save``), and, in a tiered store, what
+        this process shared of it in the durable tier once its copies are done."""
+        self.remover.discard_save(step, save, attempts)
+        if self.tiers is not None:
+            self.tiers.abandon(step, attempts)
 
     def hold_lease(self) -> int:
         """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""

@@ -188,17 +188,15 @@ def _settle_tiers(
 ) -> None:
     """With local tiers, after every rank learned the outcome: each other node commits the
     step in its tier too and every node copies its files to the next rank's (behind the
-    save); or each other node drops what it staged (rank 0 discarded only what it sees)."""
+    save); or each rank drops what it staged of the failed step from both tiers, once its
+    copies to the durable tier are done (rank 0 discarded only what it sees)."""
     tiers = store.tiers
     if tiers is None:
         return
     node = tiers.node
     peers = _peer_comm(comm) if store.options.replicas else None  # every rank, every save
     if not isinstance(outcome, CheckpointInfo):
-        if comm.rank != 0:
-            node.local.remover.discard_attempts(
-                step, {e.attempt for e in report.entries if e.attempt}
-            )
+        tiers.abandon(step, {e.attempt for e in report.entries if e.attempt})
         return
     if comm.rank != 0:
         node.join(outcome.manifest)

@@ -39,7 +39,7 @@ from dataclasses import replace
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from ckptstore.core.coordination import Coordinator
+from ckptstore.core.coordination import Coordinator, Staged
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import KIND_DIRECTORY
@@ -230,10 +230,19 @@ def _commit_step(
         coordinator.discard()
         raise
     named = [replace(report, participant=f"node {node}") for node, report in reports.items()]
-    info = coordinator.conclude(named, world_size=world_size, coordinator="the driver")
+    try:
+        info = coordinator.conclude(named, world_size=world_size, coordinator="the driver")
+    except CheckpointError:
+        if store.tiers is not None:  # each node's copies of its share leave the bucket too
+            fleet.call("abandon", {n: (step, _attempts(r)) for n, r in reports.items()})
+        raise
     if store.tiers is not None:  # every other node commits it in its local tier too
         fleet.call("join", {n: (info.manifest,) for n in nodes if n != fleet.driver})
     return info
+
+
+def _attempts(report: Staged) -> set[str]:
+    return {e.attempt for e in report.entries if e.attempt}
 
 
 def _verl_version() -> str | None:

@@ -109,6 +109,12 @@ class NodeAgent:
 
         return Staged.of("node", stage, node=self.store.node)
 
+    def abandon(self, step: int, attempts: set[str]) -> None:
+        """The driver's save of ``step`` failed: what this node staged of it (``attempts``)
+        leaves its local tier and the durable one once its copies are done (node_tier.py)."""
+        if self.store.tiers is not None:
+            self.store.tiers.abandon(step, attempts)
+
     def join(self, manifest: Manifest) -> None:
         """The driver committed ``manifest``: commit it in this node's local tier too (the
         store's tiers, tiers/local.py); nothing without one."""

@@ -56,6 +56,8 @@ class NodeTier:
         self._sharing: dict[int, set[str]] = {}
         """Keys of the files this process copies as its shares, by step (:meth:`share`)."""
         self._copying: set[int] = set()
+        self._in_flight: dict[int, list[Future[None]]] = {}
+        """This process's shares by step, until they end (:meth:`abandon` waits for them)."""
         self._shares = ThreadPoolExecutor(1, thread_name_prefix="ckpt-share")
         self._peers = ThreadPoolExecutor(1, thread_name_prefix="ckpt-peer")
         self._pending: list[Future[None]] = []
@@ -118,7 +120,9 @@ class NodeTier:
             self._sharing.setdefault(step, set()).update(e.key(step) for e in entries)
             self._copying.add(step)
             self.local.pins.hold(step)
-            self._pending.append(self._shares.submit(self._share, plan, tuple(entries)))
+            future = self._shares.submit(self._share, plan, tuple(entries))
+            self._pending.append(future)
+            self._in_flight.setdefault(step, []).append(future)
 
     def _share(self, plan: Plan, entries: tuple[FileEntry, ...]) -> None:
         from ckptstore.data.copying import FileCopier
@@ -136,7 +140,25 @@ class NodeTier:
         finally:
             with self._lock:
                 self._copying.discard(step)
+                self._in_flight.pop(step, None)
                 self.local.pins.release(step)
+
+    def abandon(self, step: int, attempts: set[str]) -> None:
+        """A coordinated save of ``step`` that this process staged ``attempts`` of failed:
+        wait for its shares of the step (they run behind the staging), then remove those
+        attempts from the durable tier and from this node's local tier, so a failed save
+        leaves nothing of this node in the bucket. A removal that fails is logged; ``gc``
+        removes what is left (the attempt markers name the save)."""
+        with self._lock:
+            waiting = list(self._in_flight.get(step, ()))
+            self._staged.pop(step, None)
+            shared = self._sharing.pop(step, None)
+        for future in waiting:
+            with contextlib.suppress(Exception):  # a failed share went to ``failed``
+                future.result()
+        if shared:
+            self.durable.remover.discard_attempts(step, attempts)
+        self.local.remover.discard_attempts(step, attempts)
 
     def to_peer(self, step: int, copy: Callable[[], None]) -> None:
         """Run ``copy`` (peers.py: this node's files of ``step`` to a peer node) in the

@@ -268,6 +268,19 @@ class Persister:
         """A participant staged ``entries`` in this node's tier (node_tier.py)."""
         self.node.staged(plan, entries)
 
+    @property
+    def durable_uri(self) -> str:
+        return self.durable.uri
+
+    def abandon(self, step: int, attempts: set[str]) -> None:
+        """A coordinated save of ``step`` failed: what this process staged of it leaves both
+        tiers once its shares are done (node_tier.py). A share that failed meanwhile (the
+        coordinator removed the step's files on this node) is no persist failure: the step
+        was never committed, so ``wait`` does not raise it."""
+        self.node.abandon(step, attempts)
+        with self._lock:
+            self._failures.pop(step, None)
+
     def durable_holds(self, step: int) -> bool:
         """Whether the durable tier holds ``step`` committed and readable (a fresh read)."""
         return self.durable.catalog.state_of(step, fresh=True) is StepState.COMMITTED
