@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ckptstore import CheckpointStore
+from ckptstore.core.coordination import Staged
 from ckptstore.errors import DistributedCheckpointError
 from ckptstore.integrations.distributed import load_distributed, save_distributed
 from ckptstore.integrations.verl import commit_step, prepare_resume
@@ -314,3 +315,59 @@ def test_a_failed_multi_node_save_leaves_nothing_in_the_bucket(
         assert not (c.disk(k) / "global_step_2").exists() or not any(
             p.is_file() for p in (c.disk(k) / "global_step_2").rglob("*")
         ), f"node {k} kept files of the failed step"
+
+
+class BrokenAgent(NodeAgent):
+    """A node agent whose disk fails as it stages (its report says so)."""
+
+    def stage(self, plan: Any, paths: Any) -> Staged:
+        return Staged.failure("node", OSError(5, "Input/output error", str(self.local_dir)))
+
+
+def _verl_fail(rank: int, world: int, uri: str, options: dict[str, Any], local: str) -> str:
+    """Step 1 is due (persist_every=1): every node but the last stages its share and copies
+    it to the bucket at once; the last node's disk fails, so the driver's commit fails."""
+    node, nodes = this_node(), world // 2
+    verl_dir = Path(local) / "verl"
+    tier = {"storage_options": options, "local": f"{local}/tier", "persist_every": 1}
+    agent = None
+    if rank == node.ranks[0]:
+        kind = BrokenAgent if node.index == nodes - 1 else NodeAgent
+        agent = kind(str(verl_dir), uri, options=StoreOptions(**tier))
+        for rel, body in verl_files(nodes, 1)[node.index].items():
+            path = verl_dir / "global_step_1" / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(body)
+    dist.barrier()
+    fleet = GlooFleet(agent, nodes)
+    error = ""
+    if rank != 0:
+        fleet.serve()
+    else:
+        with CheckpointStore(uri, **tier) as store:
+            try:
+                with pytest.raises(DistributedCheckpointError) as failed:
+                    commit_step(store, fleet, 1, world_size=nodes)
+                error = str(failed.value)
+            finally:
+                fleet.stop()
+    if agent is not None:
+        agent.store.close()  # no failed persist is raised for the step that was not saved
+    return error
+
+
+def test_a_failed_verl_save_leaves_nothing_in_the_bucket(
+    cluster: Callable[..., Cluster],
+    s3_uri: str,
+    s3_bucket: str,
+    s3_client: Any,
+    s3_options: dict[str, Any],
+) -> None:
+    c = cluster(3)
+    error = c.run(_verl_fail, s3_uri, s3_options, c.local)[0]
+    assert "Input/output error" in error and "was not saved" in error, error
+    prefix = s3_uri.split(f"{s3_bucket}/", 1)[1]
+    listed = s3_client.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/global_step_1/")
+    assert [o["Key"] for o in listed.get("Contents", [])] == []
+    for k in range(3):  # no node's tier keeps a staged file of the step
+        assert not [p for p in (c.disk(k) / "tier").rglob("global_step_1/**/*") if p.is_file()]
