@@ -19,7 +19,7 @@ from ckptstore import CheckpointStore
 from ckptstore.core.coordination import Staged
 from ckptstore.errors import DistributedCheckpointError
 from ckptstore.integrations.distributed import load_distributed, save_distributed
-from ckptstore.integrations.verl import commit_step, prepare_resume
+from ckptstore.integrations.verl import CkptstoreCallback, commit_step, prepare_resume
 from ckptstore.integrations.verl_nodes import NodeAgent
 from ckptstore.options import StoreOptions
 from harness.nodes import Cluster, this_node
@@ -214,7 +214,8 @@ def _verl(
     on every node. The files of the newest step each node holds."""
     node = this_node()
     verl_dir = Path(local) / "verl"
-    tier = {"storage_options": options, "local": f"{local}/tier", "persist_every": 2}
+    tier = {"storage_options": options, "local": f"{local}/tier", "persist_every": 2,
+            "save_timeout": 30}  # fmt: skip
     agent = None
     if rank == node.ranks[0]:
         agent = NodeAgent(str(verl_dir), uri, options=StoreOptions(**tier))
@@ -230,21 +231,24 @@ def _verl(
         fleet.serve()
     else:
         store = CheckpointStore(uri, lease=job == "save", **tier)
+        config = verl_config(local, uri, options, nodes)
         try:
-            if job == "save":
+            if job == "save":  # what verl does with the callback, its agents never closed
+                config["trainer"]["resume_mode"] = "disable"
+                callback = CkptstoreCallback(config, store=store, fleet=fleet)
                 for step in (1, 2, 3):
-                    commit_step(store, fleet, step, world_size=nodes)
+                    callback.on_save(
+                        global_step=step, checkpoint_dir=f"{verl_dir}/global_step_{step}"
+                    )
+                callback.close()  # step 3 (not due) reaches the bucket from every node
             else:
-                resumed = prepare_resume(
-                    verl_config(local, uri, options, nodes), store=store, fleet=fleet
-                )
+                resumed = prepare_resume(config, store=store, fleet=fleet)
                 assert (resumed.step, resumed.source) == (3, "store"), resumed
+                store.close()
         finally:
             fleet.stop()
-    if agent is not None:  # each agent shares the last step it staged (not due)...
+    if agent is not None:
         agent.store.close()
-    if rank == 0:  # ...and the driver's close makes it durable once every share is there
-        store.close()
     if agent is None:
         return {}
     root = verl_dir / "global_step_3"

@@ -193,7 +193,15 @@ class CkptstoreCallback:
                 log.info("ckptstore: deleted local steps %s on node %s", steps, node)
 
     def close(self) -> None:
-        """Release the writer lease (verl has no end-of-training hook; exit does this too)."""
+        """Make the newest step durable and release the writer lease (verl has no
+        end-of-training hook; exit does this too). With local tiers, every node's agent first
+        shares its files of the last step it staged, which the store's close waits for
+        (node_tier.py): an agent (a Ray actor) is never closed, so it would not otherwise."""
+        if self.store.tiers is not None and self._fleet is not None:
+            try:
+                self.fleet.call("share_last", {n: () for n in self.fleet.nodes()})
+            except (OSError, CheckpointError) as e:  # the store's close says what is missing
+                log.error("ckptstore: the nodes could not share their last step: %s", e)
         self.store.close()
 
 

@@ -115,6 +115,12 @@ class NodeAgent:
         if self.store.tiers is not None:
             self.store.tiers.abandon(step, attempts)
 
+    def share_last(self) -> None:
+        """At the job's end: copy this node's files of the last step it staged to the
+        durable tier, if that step was not due (the driver's close waits for them)."""
+        if self.store.tiers is not None:
+            self.store.tiers.node.share_last()
+
     def join(self, manifest: Manifest) -> None:
         """The driver committed ``manifest``: commit it in this node's local tier too (the
         store's tiers, tiers/local.py); nothing without one."""
