@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,3 +47,17 @@ def test_each_node_sees_only_its_own_disk_at_the_common_path(
     assert sorted(p.name for p in nodes.disk(1).iterdir()) == ["rank2", "rank3"]
     assert socket.gethostname() != "ckpt-node0"  # the host's name is untouched
     assert not os.listdir(nodes.local)  # nothing reached the host's common path
+
+
+def _hang_on_node_1(rank: int, world: int) -> int:
+    if this_node().index == 1:
+        threading.Event().wait()  # never set
+    return rank
+
+
+def test_a_hung_rank_fails_the_test_with_its_stack(cluster: Callable[..., Cluster]) -> None:
+    nodes = cluster(2, ranks_per_node=1)
+    with pytest.raises(AssertionError) as failed:
+        nodes.run(_hang_on_node_1, timeout=3)
+    assert "rank 1 (node 1): no result" in str(failed.value)
+    assert "_hang_on_node_1" in str(failed.value)  # where it hung

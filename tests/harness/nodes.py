@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import faulthandler
 import functools
 import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -160,7 +162,9 @@ class Cluster:
         for rank in range(self.world_size):
             out = tmp / f"rank{rank}.pkl"
             if not out.exists():
-                errors.append(f"rank {rank} (node {self.node_of(rank)}): no result")
+                stacks = tmp / f"rank{rank}.stacks"
+                dump = stacks.read_text()[-4000:] if stacks.exists() else ""
+                errors.append(f"rank {rank} (node {self.node_of(rank)}): no result\n{dump}")
                 continue
             status, value = pickle.loads(out.read_bytes())
             if status == "error":
@@ -215,17 +219,37 @@ def _node(
     _THIS = node
     fork = multiprocessing.get_context("fork")
     ranks = [
-        fork.Process(target=_child, args=(fn, rank, world_size, init, tmp, env, args), daemon=True)
+        fork.Process(target=_rank, args=(fn, rank, world_size, init, tmp, env, args), daemon=True)
         for rank in node.ranks
     ]
     for proc in ranks:
         proc.start()
     for proc in ranks:
         proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in ranks:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    hung = [proc for proc in ranks if proc.is_alive()]
+    for proc in hung:  # where it hangs, for the test's error (rank{r}.stacks)
+        if proc.pid is not None:
+            os.kill(proc.pid, signal.SIGUSR1)
+    if hung:
+        time.sleep(1.0)
+    for proc in hung:
+        proc.kill()
+        proc.join()
+
+
+def _rank(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init: str,
+    tmp: Path,
+    env: dict[str, str],
+    args: tuple[Any, ...],
+) -> None:
+    """A rank (ranks.py's), which dumps its threads' stacks on SIGUSR1 (a hung rank)."""
+    with open(tmp / f"rank{rank}.stacks", "w") as stacks:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        _child(fn, rank, world_size, init, tmp, env, args)
 
 
 def _enter(node: Node, disk: Path) -> None:
