@@ -193,7 +193,9 @@ class BackendError(CheckpointError):
 
 class DistributedCheckpointError(CheckpointError):
     """A multi-rank save or load failed; ``failures`` maps each failing rank (or node, or
-    ``"coordinator"``) to its error."""
+    ``"coordinator"``) to its error. ``discarded``: the save's step is certainly not
+    committed and its staged files are being removed, so each participant removes its own
+    (a step that may be committed keeps them)."""
 
     def __init__(
         self,
@@ -203,9 +205,11 @@ class DistributedCheckpointError(CheckpointError):
         uri: str | None = None,
         step: int | None = None,
         path: str | None = None,
+        discarded: bool = False,
     ) -> None:
         super().__init__(message, uri=uri, step=step, path=path)
         self.failures: dict[int | str, str] = dict(failures or {})
+        self.discarded = discarded
 
 
 class AccessDeniedError(BackendError):

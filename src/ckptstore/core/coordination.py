@@ -250,7 +250,8 @@ class Coordinator:
         failures = {r.participant: r.error for r in reports if r.error is not None}
         if failures:
             removal = self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
-            raise self._failed(failures, not_saved(removal, shared=self.saver.shares_to(self.plan)))
+            shared = self.saver.shares_to(self.plan)
+            raise self._failed(failures, not_saved(removal, shared=shared), discarded=True)
         entries = [e for r in reports for e in r.entries]
         seen = [e for r in reports if self.sees(r) for e in r.entries]
         try:
@@ -258,8 +259,8 @@ class Coordinator:
         except Exception as e:
             log.exception("%s could not commit step %d", _label(coordinator), self.step)
             with self.running():  # a server that stopped answering: "may be committed"
-                what = self._what_became(_label(coordinator))
-            raise self._failed({coordinator: describe(e)}, what) from e
+                what, discarded = self._what_became(_label(coordinator))
+            raise self._failed({coordinator: describe(e)}, what, discarded=discarded) from e
 
     def sees(self, report: Staged) -> bool:
         """Whether ``report``'s files are where this coordinator can confirm them: staged in
@@ -369,15 +370,20 @@ class Coordinator:
     def _files(self) -> str:
         return f"the staged files of step {self.step} in {self.saver.uri}"
 
-    def _what_became(self, coordinator: str) -> str:
+    def _what_became(self, coordinator: str) -> tuple[str, bool]:
+        """What became of the step after a failed commit, and whether it is certainly not
+        committed (its staged files are being removed)."""
         try:
             committed = self.saver.catalog.state_of(self.step, fresh=True).committed
         except CheckpointError:
-            return f"failed on {coordinator} and may be committed (see `ckptstore ls`)"
-        return f"is committed, but {coordinator} failed after committing it" if committed else (
-            not_saved())  # fmt: skip
+            return f"failed on {coordinator} and may be committed (see `ckptstore ls`)", False
+        if committed:
+            return f"is committed, but {coordinator} failed after committing it", False
+        return not_saved(shared=self.saver.shares_to(self.plan)), True
 
-    def _failed(self, failures: Mapping[int | str, str], what: str) -> DistributedCheckpointError:
+    def _failed(
+        self, failures: Mapping[int | str, str], what: str, *, discarded: bool
+    ) -> DistributedCheckpointError:
         listed = "; ".join(f"{_label(p)}: {text}" for p, text in _ordered(failures))
         uri = self.saver.catalog.uri(layout.step_dir(self.step))
         return DistributedCheckpointError(
@@ -386,6 +392,7 @@ class Coordinator:
             uri=uri,
             step=self.step,
             path=layout.step_dir(self.step),
+            discarded=discarded,
         )
 
 

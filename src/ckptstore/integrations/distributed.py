@@ -196,8 +196,9 @@ def _settle_tiers(
     node = tiers.node
     peers = _peer_comm(comm) if store.options.replicas else None  # every rank, every save
     if not isinstance(outcome, CheckpointInfo):
-        tiers.abandon(step, {e.attempt for e in report.entries if e.attempt})
-        return
+        if isinstance(outcome, DistributedCheckpointError) and outcome.discarded:
+            tiers.abandon(step, {e.attempt for e in report.entries if e.attempt})
+        return  # a step that may be committed keeps its files (gc judges them)
     if comm.rank != 0:
         node.join(outcome.manifest)
     if peers is not None:

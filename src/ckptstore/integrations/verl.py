@@ -46,6 +46,7 @@ from ckptstore.domain.manifest import KIND_DIRECTORY
 from ckptstore.errors import (
     CheckpointError,
     ConfigError,
+    DistributedCheckpointError,
 )
 from ckptstore.integrations.verl_config import (
     SECTION,
@@ -240,8 +241,8 @@ def _commit_step(
     named = [replace(report, participant=f"node {node}") for node, report in reports.items()]
     try:
         info = coordinator.conclude(named, world_size=world_size, coordinator="the driver")
-    except CheckpointError:
-        if store.tiers is not None:  # each node's copies of its share leave the bucket too
+    except DistributedCheckpointError as e:
+        if store.tiers is not None and e.discarded:  # each node's copies leave the bucket too
             fleet.call("abandon", {n: (step, _attempts(r)) for n, r in reports.items()})
         raise
     if store.tiers is not None:  # every other node commits it in its local tier too
