@@ -61,10 +61,11 @@ log = logging.getLogger(__name__)
 def not_saved(removal: str | None = None, *, shared: str | None = None) -> str:
     """What became of a step not saved, its staged files' ``removal`` (clean_up's) included;
     ``shared``: the durable tier that the participants of a tiered save were copying their
-    files to, which each participant clears of its own copies once they end (node_tier.py)."""
+    files to, which each participant that hears of the failure clears of its own copies once
+    they end (node_tier.py); DCP's participants hear nothing, so ``gc`` removes theirs."""
     if shared is not None:
-        tail = (f"; each node removes its copies from {shared} once they end, and `ckptstore gc` "
-                "there removes what a node could not")  # fmt: skip
+        tail = (f"; what a node was still copying to {shared} is removed by that node once it "
+                "hears of the failure, or else by `ckptstore gc` there")  # fmt: skip
     else:
         tail = ""
     if removal is None:

@@ -21,7 +21,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError, ConflictError
+from ckptstore.protocol.catalog import StepState
 from ckptstore.tiers.local import DEFAULT_LOCAL_KEEP_LAST, LocalTier
 
 if TYPE_CHECKING:
@@ -83,8 +85,6 @@ class NodeTier:
         """Commit ``manifest`` in this node's local tier if it lacks it (its files may be
         here, at a peer's, or in the durable tier: reads find each one) and move the local
         ``latest`` forward to it."""
-        from ckptstore.protocol.catalog import StepState
-
         if self.local.catalog.state_of(manifest.step, fresh=True) is StepState.ABSENT:
             # another rank of this node may commit it first: the same manifest
             with contextlib.suppress(ConflictError):
@@ -129,14 +129,21 @@ class NodeTier:
 
         step = plan.step
         durable = self.durable
+        attempts = {e.attempt for e in entries if e.attempt is not None}
         try:
-            for attempt in sorted({e.attempt for e in entries if e.attempt is not None}):
+            for attempt in sorted(attempts):
                 durable.committer.begin_attempt(step, plan.epoch, attempt, save=plan.save)
             FileCopier(self.local.catalog.backend, durable.catalog.backend).copy_files(
                 step, entries
             )
         except CheckpointError as e:
-            self._failed(step, e)
+            if not self._withdrawn(step, attempts):
+                self._failed(step, e)
+                return
+            log.info("%s: step %d was not saved (its staged files on this node were removed "
+                     "as this process copied them); removing its copies from %s",
+                     self.local.uri, step, durable.uri)  # fmt: skip
+            durable.remover.discard_attempts(step, attempts)
         finally:
             with self._lock:
                 self._copying.discard(step)
@@ -159,6 +166,18 @@ class NodeTier:
         if shared:
             self.durable.remover.discard_attempts(step, attempts)
         self.local.remover.discard_attempts(step, attempts)
+
+    def _withdrawn(self, step: int, attempts: set[str]) -> bool:
+        """Whether a coordinator discarded the save of ``step`` on this node while this
+        process copied ``attempts`` of it (DCP tells its participants nothing): a tombstone
+        claims the step in this node's tier (it comes before any file is removed), or the
+        attempts' markers, removed last, are gone."""
+        if self.local.catalog.state_of(step, fresh=True) is StepState.REMOVING:
+            return True
+        backend = self.local.catalog.backend
+        return bool(attempts) and all(
+            backend.stat(layout.attempt_marker_path(step, a)) is None for a in attempts
+        )
 
     def to_peer(self, step: int, copy: Callable[[], None]) -> None:
         """Run ``copy`` (peers.py: this node's files of ``step`` to a peer node) in the
