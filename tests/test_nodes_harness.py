@@ -58,6 +58,6 @@ def _hang_on_node_1(rank: int, world: int) -> int:
 def test_a_hung_rank_fails_the_test_with_its_stack(cluster: Callable[..., Cluster]) -> None:
     nodes = cluster(2, ranks_per_node=1)
     with pytest.raises(AssertionError) as failed:
-        nodes.run(_hang_on_node_1, timeout=3)
+        nodes.run(_hang_on_node_1, timeout=2)
     assert "rank 1 (node 1): no result" in str(failed.value)
     assert "_hang_on_node_1" in str(failed.value)  # where it hung

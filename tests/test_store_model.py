@@ -636,12 +636,13 @@ class TieredStoreModel(RuleBasedStateMachine):
     def kill(self, lose_local_tier: bool) -> None:
         """Killed between two waits: the copies it queued never ran; their pins stay. Or
         the node is replaced (``lose_local_tier``): its local tier is gone, and the next
-        writer resumes from the durable tier; the local steps past it are lost."""
-        self._killed()
+        writer resumes from the durable tier; the local steps past it are lost. The new node's
+        disk is empty when the next writer starts there (it claims it: tiers/identity.py)."""
         if lose_local_tier:
             shutil.rmtree(self.local_dir, ignore_errors=True)
             self.local, self.pinned = set(), set()
             self.due &= self.durable
+        self._killed()
 
     @rule(calls=st.integers(1, 12), delta=st.integers(1, 3))
     def kill_persisting(self, calls: int, delta: int) -> None:
