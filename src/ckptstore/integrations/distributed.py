@@ -176,7 +176,7 @@ PEER_TIMEOUT = 600.0
 def _peer_comm(comm: Collectives) -> Collectives:
     """Collectives of a group of their own for peer copies, which run in a background thread
     beside the save's collectives (made once per process, by every rank at the same point)."""
-    return Collectives(comm.group if comm.active else None, timeout=PEER_TIMEOUT)
+    return Collectives(comm.group if comm.active else None, timeout=PEER_TIMEOUT, use="peers")
 
 
 def _settle_tiers(
@@ -249,10 +249,14 @@ def load_distributed(
     rank loads the step it offers. With no ``step`` and ``fallback``, a step that fails
     verification on any rank is skipped, on every rank, for the newest older one (as
     ``store.load`` does). ``store.last_loaded`` tells which step was loaded. Every rank loads
-    by the store's ``load_timeout``.
+    by the store's ``load_timeout``, and its collectives wait :data:`COLLECTIVE_MARGIN` seconds
+    longer at most (without one, the process group's own timeout); copies from peer nodes wait
+    :data:`PEER_TIMEOUT` at most.
     """
+    timeout = store.options.load_timeout
+    comm = Collectives(group, timeout=None if timeout is None else timeout + COLLECTIVE_MARGIN)
     with store.resolver.loading():
-        return _load(store, Collectives(group), step, fallback, allow_pickle)
+        return _load(store, comm, step, fallback, allow_pickle)
 
 
 def _load(
