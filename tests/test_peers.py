@@ -6,6 +6,7 @@ no copy is possible. The chunked exchange itself is checked on gloo ranks (tests
 
 from __future__ import annotations
 
+import resource
 import shutil
 import threading
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
 from ckptstore.errors import BackendError
 from ckptstore.integrations.distributed import load_distributed, save_distributed
+from ckptstore.tiers.peer_stream import CHUNK, DEPTH
+from conftest import MiB
 from harness.nodes import Cluster
 from ranks import Records, run_ranks
 from test_tiers_distributed import bucket_steps, open_node, rank_state
@@ -188,3 +191,36 @@ def test_ranks_all_on_one_node_say_no_peer_copy_is_possible(
     said = [m for r in got for m in r["warnings"] if "no peer copy is possible" in m]
     assert len(said) == 1, got  # once, by rank 0, for the store's life
     assert "all 2 ranks are on one node" in said[0]
+
+
+SHARD_MIB = 128
+
+
+def _peak_growth(rank: int, world: int, root: Path) -> dict[str, float]:
+    """The growth of this rank's peak RSS (MiB) over a save of a ``SHARD_MIB`` shard with
+    peer copies, after the same save without them: what the copies cost in memory. Neither
+    store persists to its durable tier during the test (a directory, persist_every=100)."""
+    state = {"w": torch.randn(SHARD_MIB << 18)}  # float32: SHARD_MIB MiB
+    peaks = {}
+    for replicas in (0, 1):
+        store = CheckpointStore(str(root / f"durable{replicas}"), lease=rank == 0,
+                                local=str(root / f"r{replicas}-node{rank}"), persist_every=100,
+                                replicas=replicas)  # fmt: skip
+        save_distributed(store, 1, state)
+        store.tiers.node.drain()  # type: ignore[union-attr]  # the peer copy is done
+        dist.barrier()
+        peaks[replicas] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    copies = list((root / f"r1-node{rank}" / "global_step_1").rglob(f"rank_0000{1 - rank}/*"))
+    return {"growth": peaks[1] - peaks[0], "copied": sum(p.stat().st_size for p in copies)}
+
+
+def test_peer_copies_stream_in_bounded_memory(tmp_path: Path) -> None:
+    """A peer copy holds a few chunks per rank (DEPTH + 1 per direction, and the chunk being
+    read), not the shard it sends and the one it receives (which grew the peak by twice the
+    shard)."""
+    bound = (2 * (DEPTH + 1) + 2) * CHUNK / MiB + 16  # + 16 MiB: threads, gloo, the heap
+    assert bound < SHARD_MIB * 0.7
+    got = run_ranks(_peak_growth, 2, tmp_path / "ranks", tmp_path)
+    for rank, r in enumerate(got):
+        assert r["copied"] >= SHARD_MIB * MiB, (rank, r)  # the peer's shard is here
+        assert r["growth"] < bound, (rank, r)
