@@ -22,7 +22,6 @@ from ckptstore.backends.base import Backend
 from ckptstore.errors import BackendError
 from ckptstore.integrations.distributed import load_distributed, save_distributed
 from ckptstore.tiers.peer_stream import CHUNK, DEPTH
-from conftest import MiB
 from harness.nodes import Cluster
 from ranks import Records, run_ranks
 from test_tiers_distributed import bucket_steps, open_node, rank_state
@@ -193,6 +192,7 @@ def test_ranks_all_on_one_node_say_no_peer_copy_is_possible(
     assert "all 2 ranks are on one node" in said[0]
 
 
+MiB = 1 << 20
 SHARD_MIB = 128
 
 
