@@ -65,7 +65,8 @@ def test_bench_peers_smoke_prints_both_comparisons(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for row in ("| raw gloo send/recv", "| disk: write + fsync", "| peer recovery of node 1",
-                "| load_distributed, node 1 wiped", "| replicas=0 |", "| replicas=1 |"):  # fmt: skip
+    rows = ["| raw gloo send/recv", "| disk: write + fsync", "| peer recovery of node 1",
+            "| load_distributed, node 1 wiped", "| replicas=0 |", "| replicas=1 |"]  # fmt: skip
+    for row in rows:
         assert row in proc.stdout, (row, proc.stdout)
     assert "ratios from this run: peer recovery takes" in proc.stdout
