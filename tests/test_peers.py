@@ -19,9 +19,13 @@ import torch.distributed as dist
 
 from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
+from ckptstore.backends.registry import open_backend
+from ckptstore.core.collectives import Collectives
+from ckptstore.domain.checksum import Crc32c
+from ckptstore.domain.manifest import FileEntry
 from ckptstore.errors import BackendError
 from ckptstore.integrations.distributed import load_distributed, save_distributed
-from ckptstore.tiers.peer_stream import CHUNK, DEPTH
+from ckptstore.tiers.peer_stream import CHUNK, DEPTH, Outgoing, exchange
 from harness.nodes import Cluster
 from ranks import Records, run_ranks
 from test_tiers_distributed import bucket_steps, open_node, rank_state
@@ -224,3 +228,53 @@ def test_peer_copies_stream_in_bounded_memory(tmp_path: Path) -> None:
     for rank, r in enumerate(got):
         assert r["copied"] >= SHARD_MIB * MiB, (rank, r)  # the peer's shard is here
         assert r["growth"] < bound, (rank, r)
+
+
+def _exchange(rank: int, world: int, root: Path) -> dict[str, Any]:
+    """Ranks 0 and 1 both send to rank 2 (files of 0, 1, 3 chunks + 1 byte, and one whose
+    bytes fail their manifest entry); rank 2 sends one file to rank 0; 64-byte chunks."""
+    backend = open_backend(str(root / f"node{rank}"), {})
+    outgoing: dict[int, list[Outgoing]] = {}
+    files = {0: [0, 1, 64 * 3 + 1], 1: [64, 5], 2: [300]}[rank]
+    entries = []
+    for i, size in enumerate(files):
+        data = bytes((rank * 7 + i + j) % 251 for j in range(size))
+        path = f"rank_0000{rank}/f{i}"
+        backend.write(f"global_step_1/{path}", [data])
+        entries.append(FileEntry(path, size, crc_of(data)))
+    if rank == 1:  # the bytes on disk are not those of the manifest
+        entries.append(FileEntry("rank_00001/bad", 4, crc_of(b"good")))
+        backend.write("global_step_1/rank_00001/bad", [b"evil"])
+    outgoing[2 if rank < 2 else 0] = [Outgoing(1, e) for e in entries]
+    got = exchange(Collectives(timeout=30), backend, outgoing, chunk=64)
+    dist.barrier()
+    held = {o.path: o.size for o in backend.list("global_step_1/")}
+    return {"keys": got.keys, "missed": got.missed, "held": held}
+
+
+def crc_of(data: bytes) -> str:
+    check = Crc32c()
+    check.update(data)
+    return check.hexdigest()
+
+
+def test_the_exchange_streams_many_files_to_one_rank_and_drops_what_fails_its_check(
+    tmp_path: Path,
+) -> None:
+    got = run_ranks(_exchange, 3, tmp_path / "ranks", tmp_path)
+    two = got[2]
+    assert sorted(two["keys"]) == [0, 1]
+    assert len(two["keys"][0]) == 3 and len(two["keys"][1]) == 2
+    assert two["missed"] == {1: ["global_step_1/rank_00001/bad"]}
+    assert "global_step_1/rank_00001/bad" not in two["held"]  # no copy kept of it
+    for rank, sizes in ((0, [0, 1, 193]), (1, [64, 5])):
+        for i, size in enumerate(sizes):
+            key = f"global_step_1/rank_0000{rank}/f{i}"
+            assert two["held"][key] == size
+            mine = (tmp_path / f"node{rank}" / key).read_bytes()
+            assert (tmp_path / "node2" / key).read_bytes() == mine  # byte for byte
+    assert got[0]["keys"] == {2: ["global_step_1/rank_00002/f0"]}
+    assert (tmp_path / "node0/global_step_1/rank_00002/f0").read_bytes() == (
+        tmp_path / "node2/global_step_1/rank_00002/f0"
+    ).read_bytes()
+    assert got[1]["keys"] == {} and got[1]["missed"] == {}

@@ -77,16 +77,23 @@ class Received:
 
 
 def exchange(
-    comm: Collectives, backend: Backend, outgoing: Mapping[int, Sequence[Outgoing]]
+    comm: Collectives,
+    backend: Backend,
+    outgoing: Mapping[int, Sequence[Outgoing]],
+    *,
+    chunk: int = CHUNK,
 ) -> Received:
     """Send each destination rank its files (read from ``backend``) and write what the other
-    ranks send into ``backend`` under the same keys. Every rank of ``comm`` calls it."""
+    ranks send into ``backend`` under the same keys, in pieces of ``chunk`` bytes (a sender's
+    own: its offer says which). Every rank of ``comm`` calls it."""
     offer = {dst: [(o.key, o.entry.size) for o in files] for dst, files in outgoing.items()}
-    offers: list[dict[int, list[tuple[str, int]]]] = comm.all_gather(offer)
-    incoming = {src: o[comm.rank] for src, o in enumerate(offers) if o.get(comm.rank)}
+    offers: list[tuple[int, dict[int, list[tuple[str, int]]]]] = comm.all_gather((chunk, offer))
+    incoming = {src: o[comm.rank] for src, (_, o) in enumerate(offers) if o.get(comm.rank)}
     stop = threading.Event()
-    readers = {dst: _Reader(backend, files, stop) for dst, files in outgoing.items() if files}
-    writers = {src: _Writer(backend, files, stop) for src, files in incoming.items()}
+    readers = {dst: _Reader(backend, files, chunk, stop)
+               for dst, files in outgoing.items() if files}  # fmt: skip
+    writers = {src: _Writer(backend, files, offers[src][0], stop)
+               for src, files in incoming.items()}  # fmt: skip
     workers: list[_Worker] = [*readers.values(), *writers.values()]
     for worker in workers:
         worker.start()
@@ -138,12 +145,12 @@ def _transfer(comm: Collectives, readers: dict[int, _Reader], writers: dict[int,
             writer.ready.put((buffer, length))
 
 
-def _chunks(files: Sequence[tuple[str, int]]) -> list[tuple[int, int, int]]:
+def _chunks(files: Sequence[tuple[str, int]], chunk: int) -> list[tuple[int, int, int]]:
     """(file index, offset, length) of every chunk, in order; an empty file is one empty
     chunk (so its receiver creates it)."""
     out = []
     for i, (_, size) in enumerate(files):
-        out += [(i, at, min(CHUNK, size - at)) for at in range(0, size, CHUNK)] or [(i, 0, 0)]
+        out += [(i, at, min(chunk, size - at)) for at in range(0, size, chunk)] or [(i, 0, 0)]
     return out
 
 
@@ -154,13 +161,19 @@ class _Stopped(Exception):
 class _Worker(threading.Thread):
     """A reader or writer thread with its pool of chunk buffers."""
 
-    def __init__(self, backend: Backend, files: Sequence[tuple[str, int]], stop: threading.Event):
+    def __init__(
+        self,
+        backend: Backend,
+        files: Sequence[tuple[str, int]],
+        chunk: int,
+        stop: threading.Event,
+    ) -> None:
         super().__init__(name="ckpt-peer-io", daemon=True)
         self.backend, self.files, self.stop = backend, files, stop
-        self.plan = _chunks(files)
+        self.plan = _chunks(files, chunk)
         self.count = len(self.plan)
         self.lengths = [length for _, _, length in self.plan]
-        size = min(CHUNK, max(self.lengths, default=0))
+        size = max(self.lengths, default=0)
         self.pool: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(min(DEPTH + 1, self.count)):
             self.pool.put(torch.empty(size, dtype=torch.uint8))
@@ -193,8 +206,10 @@ class _Reader(_Worker):
     against its manifest entry; a file that fails is sent on as filler and named in
     :attr:`failed`."""
 
-    def __init__(self, backend: Backend, files: Sequence[Outgoing], stop: threading.Event):
-        super().__init__(backend, [(o.key, o.entry.size) for o in files], stop)
+    def __init__(
+        self, backend: Backend, files: Sequence[Outgoing], chunk: int, stop: threading.Event
+    ) -> None:
+        super().__init__(backend, [(o.key, o.entry.size) for o in files], chunk, stop)
         self.outgoing = files
 
     def next_chunk(self) -> tuple[torch.Tensor, int]:
@@ -229,11 +244,14 @@ class _Writer(_Worker):
     cannot be written is drained (its chunks still arrive) and named in :attr:`failed`."""
 
     def __init__(
-        self, backend: Backend, files: Sequence[tuple[str, int]], stop: threading.Event
+        self, backend: Backend, files: Sequence[tuple[str, int]], chunk: int, stop: threading.Event
     ) -> None:
-        super().__init__(backend, files, stop)
+        super().__init__(backend, files, chunk, stop)
         self.written: set[str] = set()
-        self._plan = iter(self.plan)
+        self.lengths_of: list[list[int]] = [[] for _ in files]
+        """The lengths of each file's chunks."""
+        for i, _, length in self.plan:
+            self.lengths_of[i].append(length)
 
     def free_buffer(self) -> torch.Tensor:
         return self._get(self.pool)
@@ -256,15 +274,10 @@ class _Writer(_Worker):
     def _pieces(self, index: int) -> Iterator[memoryview]:
         """The chunks of file ``index`` as they arrive; each buffer goes back to the pool once
         the write asks for the next one (it has been written)."""
-        while True:
-            i, at, length = next(self._plan, (None, 0, 0))
-            if i is None:
-                return
+        for length in self.lengths_of[index]:
             buffer, got = self._get(self.ready)
             try:
                 if length:
                     yield memoryview(buffer[:got].numpy())  # type: ignore[arg-type]
             finally:
                 self.pool.put(buffer)
-            if at + length >= self.files[index][1]:
-                return
