@@ -87,8 +87,8 @@ def assemble(
     key = key_bytes(options.signing_key) if options.signing_key is not None else None
     key = key if key is not None else signing_key_from_env()
     signer = Signer(key) if key is not None else None
-    local = _local_tier(options, writer, signer, clock, backend.uri)
     catalog = Catalog(backend, signer=signer)
+    local = _local_tier(options, writer, signer, clock, catalog)
     remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
     faster = (local.catalog,) if local is not None else ()
     committer = Committer(catalog, remover, writer=writer, clock=clock, faster_tiers=faster)
@@ -120,7 +120,7 @@ def assemble(
         front = Saver(
             local.catalog, local.committer, local.remover, lease, persister.retain_local,
             environment, clock, options.incremental, options.shard_size, in_flight.drain,
-            observer, options.save_timeout, tiers=persister,
+            observer, options.save_timeout, tiers=persister, node=local.identity.node,
         )  # fmt: skip
     return Parts(
         writer, signer, catalog, remover, committer, resolver, lease, pruner, maintenance,
@@ -133,16 +133,17 @@ def _local_tier(
     writer: str,
     signer: Signer | None,
     clock: Callable[[], float],
-    store: str,
+    durable: Catalog,
 ) -> LocalTier | None:
     """The engines of the local tier, when the store has one: its own retention
     (``local_keep_last``), the store's writer id and signing key, no lease of its own, and
-    the directory claimed for ``store`` (identity.py: another store's is refused)."""
+    the directory claimed for the ``durable`` store (identity.py: another store's is
+    refused)."""
     if options.local is None:
         return None
     backend = open_backend(options.local, {})
-    identity = claim(backend, store)
     catalog = Catalog(backend, signer=signer)
+    identity = claim(catalog, durable)
     remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
     committer = Committer(catalog, remover, writer=writer, clock=clock)
     pins = TierPins(backend)

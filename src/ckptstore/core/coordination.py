@@ -74,6 +74,7 @@ class SaveTarget(Protocol):
     remover: Remover
     incremental: bool
     save_timeout: float | None
+    node: str | None  # the node whose disk the store's staged files are on (Staged.node)
 
     @property
     def uri(self) -> str: ...
@@ -110,9 +111,10 @@ class Staged:
     participant: int | str
     entries: tuple[FileEntry, ...] = ()
     error: str | None = None
-    tier: str | None = None
-    """The URI of the participant's node-local tier, if any: the coordinator confirms only
-    the files staged where it sees them; each participant saw its own written whole."""
+    node: str | None = None
+    """The node the participant staged on: its store's local tier's node id (``store.node``,
+    tiers/identity.py), or None when it staged in the store itself. Not a path: every node
+    of a cluster may be given the same ``local=``, each on a disk of its own."""
 
     @classmethod
     def of(
@@ -120,12 +122,12 @@ class Staged:
         participant: int | str,
         stage: Callable[[], Iterable[FileEntry]],
         *,
-        tier: str | None = None,
+        node: str | None,
     ) -> Staged:
-        """Run ``stage`` (staging into ``tier``, when not the coordinator's store); never
-        raises (the failure is logged and reported as text)."""
+        """Run ``stage`` (staging on ``node``: ``store.node`` of the participant's store);
+        never raises (the failure is logged and reported as text)."""
         try:
-            return cls(participant, tuple(stage()), tier=tier)
+            return cls(participant, tuple(stage()), node=node)
         except Exception as e:
             return cls.failure(participant, e)
 
@@ -234,7 +236,7 @@ class Coordinator:
             removal = self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
             raise self._failed(failures, not_saved(removal))
         entries = [e for r in reports for e in r.entries]
-        seen = [e for r in reports if r.tier in (None, self.saver.uri) for e in r.entries]
+        seen = [e for r in reports if self.sees(r) for e in r.entries]
         try:
             return self.commit(entries, world_size=world_size, confirm=seen)
         except Exception as e:
@@ -242,6 +244,15 @@ class Coordinator:
             with self.running():  # a server that stopped answering: "may be committed"
                 what = self._what_became(_label(coordinator))
             raise self._failed({coordinator: describe(e)}, what) from e
+
+    def sees(self, report: Staged) -> bool:
+        """Whether ``report``'s files are where this coordinator can confirm them: staged in
+        the store it commits in, on its own node. Another node's files are on that node's
+        disk, which this process never reads (the same path here is another disk): the
+        participant wrote them whole (each write is checked as it is made), and a step due
+        for the durable tier is committed there only once every node's share is in it
+        (persister.py)."""
+        return report.node == self.saver.node
 
     def commit(
         self,

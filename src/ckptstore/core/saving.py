@@ -76,6 +76,9 @@ class Saver:
     tiers: Tiers | None = None
     """Set when this saver commits in the local tier of a store (tiers/local.py): a save must not
     fall behind the durable tier's latest either, and each commit is offered for persisting."""
+    node: str | None = None
+    """The node id of the local tier this saver commits in (``LocalTier.identity.node``);
+    None for a store that every participant writes to itself (coordination.py, ``Staged``)."""
     pointer_trusted: bool = field(default=False, init=False)
     """Whether :meth:`latest_step` may take ``latest.json`` at its word (module docstring)."""
 

@@ -143,7 +143,7 @@ def _save(
     local_error: Exception | None = None
     try:
         staged = tuple(_stage(store, plan, state, comm.rank, allow_pickle))
-        report = Staged(comm.rank, staged, tier=store.local_uri)
+        report = Staged(comm.rank, staged, node=store.node)
     except Exception as e:
         local_error, report = e, Staged.failure(comm.rank, e)
     try:

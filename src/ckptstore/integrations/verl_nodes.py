@@ -107,7 +107,7 @@ class NodeAgent:
                 files.append(SourceFile(rel, _reader(path), path.stat().st_size))
             return self.store.stage_files(plan.step, files, plan=plan)
 
-        return Staged.of("node", stage, tier=self.store.local_uri)
+        return Staged.of("node", stage, node=self.store.node)
 
     def join(self, manifest: Manifest) -> None:
         """The driver committed ``manifest``: commit it in this node's local tier too (the
