@@ -71,15 +71,6 @@ def _resume(rank: int, world: int, uri: str, options: dict[str, Any], local: str
     return {"step": store.last_loaded.step, "state": state, "gets": counting.take()["other GET"]}
 
 
-NODE_RULE = pytest.mark.xfail(
-    strict=True,
-    reason="issue 33, defect 1: at one common local path the coordinator looks on its own disk "
-    "for another node's staged files (Staged.tier); passes once the coordinator trusts what "
-    "each node staged (then remove this mark)",
-)
-
-
-@NODE_RULE
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_a_lost_node_resumes_from_peers_on_other_nodes_without_a_bucket_get(
     nodes: int, cluster: Callable[..., Cluster], s3_uri: str, s3_options: dict[str, Any]
