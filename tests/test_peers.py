@@ -9,6 +9,7 @@ from __future__ import annotations
 import resource
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,12 @@ from ckptstore.backends.registry import open_backend
 from ckptstore.core.collectives import Collectives
 from ckptstore.domain.checksum import Crc32c
 from ckptstore.domain.manifest import FileEntry
-from ckptstore.errors import BackendError
-from ckptstore.integrations.distributed import load_distributed, save_distributed
+from ckptstore.errors import BackendError, DistributedCheckpointError
+from ckptstore.integrations.distributed import (
+    COLLECTIVE_MARGIN,
+    load_distributed,
+    save_distributed,
+)
 from ckptstore.tiers.peer_stream import CHUNK, DEPTH, Outgoing, exchange
 from harness.nodes import Cluster
 from ranks import Records, run_ranks
@@ -278,3 +283,29 @@ def test_the_exchange_streams_many_files_to_one_rank_and_drops_what_fails_its_ch
         tmp_path / "node2/global_step_1/rank_00002/f0"
     ).read_bytes()
     assert got[1]["keys"] == {} and got[1]["missed"] == {}
+
+
+def _load_with_an_absent_rank(
+    rank: int, world: int, uri: str, options: dict[str, Any], root: Path
+) -> dict[str, Any]:
+    """Rank 1 never calls load_distributed (it is busy elsewhere for 40 s); rank 0 must give
+    up by its load_timeout (0.5 s) plus the collectives' margin, not the process group's 60 s."""
+    store = CheckpointStore(uri, storage_options=options, lease=False, load_timeout=0.5,
+                            local=str(root / f"node{rank}"))  # fmt: skip
+    if rank == 1:
+        time.sleep(40)
+        return {}
+    started = time.monotonic()
+    with pytest.raises(DistributedCheckpointError) as caught:
+        load_distributed(store)
+    return {"seconds": time.monotonic() - started, "message": str(caught.value)}
+
+
+@pytest.mark.wallclock
+def test_load_distributed_collectives_give_up_by_the_load_timeout(
+    s3_uri: str, s3_options: dict[str, Any], tmp_path: Path
+) -> None:
+    got = run_ranks(_load_with_an_absent_rank, 2, tmp_path / "ranks", s3_uri, s3_options, tmp_path)
+    assert got[0]["seconds"] < 0.5 + COLLECTIVE_MARGIN + 5, got[0]
+    assert "load_timeout 0.5 s + 30 s" in got[0]["message"]
+    assert "call load_distributed on every rank" in got[0]["message"]

@@ -254,9 +254,21 @@ def load_distributed(
     :data:`PEER_TIMEOUT` at most.
     """
     timeout = store.options.load_timeout
-    comm = Collectives(group, timeout=None if timeout is None else timeout + COLLECTIVE_MARGIN)
-    with store.resolver.loading():
-        return _load(store, comm, step, fallback, allow_pickle)
+    try:
+        comm = Collectives(group, timeout=None if timeout is None else timeout + COLLECTIVE_MARGIN)
+        with store.resolver.loading():
+            return _load(store, comm, step, fallback, allow_pickle)
+    except RuntimeError as e:  # a collective gave up waiting: a rank never reached it
+        waited = "the process group's timeout" if timeout is None else (
+            f"load_timeout {timeout:g} s + {COLLECTIVE_MARGIN:g} s")  # fmt: skip
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        raise DistributedCheckpointError(
+            f"{store.uri}: the load was abandoned: rank {rank} waited {waited} for the "
+            f"other ranks, and some never came ({e}); call load_distributed on every rank of "
+            "the group, or raise load_timeout if a rank's read takes longer",
+            {rank: describe(e)},
+            uri=store.uri,
+        ) from e
 
 
 def _load(
