@@ -153,7 +153,8 @@ def _save(
             coordinator.discard()
         raise
     # 3. Rank 0 commits, or discards; everyone learns which, and each node commits it in its
-    # local tier too (tiers/local.py) and copies its files to the next rank's (peers.py), behind.
+    # local tier too (tiers/local.py) and copies its files to a rank on another node (peers.py),
+    # behind.
     outcome: CheckpointInfo | CheckpointError | None = None
     if coordinator is not None and reports is not None:
         try:
@@ -187,7 +188,7 @@ def _settle_tiers(
     report: Staged,
 ) -> None:
     """With local tiers, after every rank learned the outcome: each other node commits the
-    step in its tier too and every node copies its files to the next rank's (behind the
+    step in its tier too and every rank copies its files to a rank on another node (behind the
     save); or each other node drops what it staged (rank 0 discarded only what it sees)."""
     tiers = store.tiers
     if tiers is None:
