@@ -2,7 +2,8 @@
 node at one local path (harness/nodes.py), a moto bucket over HTTP behind. A rank's copies go to
 a rank on another node, so a lost node resumes bit-identical without a payload GET from the
 bucket; a rank whose read fails keeps the exchange in step; subgroups work; one node says that
-no copy is possible. The chunked exchange itself is checked on gloo ranks (tests/ranks.py)."""
+no copy is possible; a load gives up by its timeout when a rank never comes; a copy costs a few
+chunks of memory. The chunked exchange itself is checked on gloo ranks (tests/ranks.py)."""
 
 from __future__ import annotations
 
