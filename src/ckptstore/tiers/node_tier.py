@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ckptstore.core.saving import Saver
     from ckptstore.domain.manifest import FileEntry, Manifest
     from ckptstore.domain.plan import Plan
+    from ckptstore.tiers.peers import PeerLayout
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class NodeTier:
         self._shares = ThreadPoolExecutor(1, thread_name_prefix="ckpt-share")
         self._peers = ThreadPoolExecutor(1, thread_name_prefix="ckpt-peer")
         self._pending: list[Future[None]] = []
+        self.peer_layout: PeerLayout | None = None
+        """Which node each rank is on, gathered at the first peer copy (peers.py)."""
 
     def sharing(self, step: int) -> set[str]:
         """Keys of ``step``'s files this process shares (the persist need not copy them)."""
