@@ -138,6 +138,9 @@ class LocalTier:
     pruner: Pruner
     identity: TierIdentity
     """The store this directory serves and the node it is on (identity.py)."""
+    retention: threading.Lock = field(default_factory=threading.Lock)
+    """Held while the local retention runs (after a commit, a persist, or a ``prune``): two
+    prunes of one tier would race on the same manifests."""
 
     @property
     def uri(self) -> str:
