@@ -269,6 +269,10 @@ class Persister:
         """A participant staged ``entries`` in this node's tier (node_tier.py)."""
         self.node.staged(plan, entries)
 
+    def durable_uri(self, path: str) -> str:
+        """``path``'s URI in the durable tier."""
+        return self.durable.catalog.uri(path)
+
     def durable_holds(self, step: int) -> bool:
         """Whether the durable tier holds ``step`` committed and readable (a fresh read)."""
         return self.durable.catalog.state_of(step, fresh=True) is StepState.COMMITTED
