@@ -110,11 +110,6 @@ class Maintenance:
     def durable(self) -> Tier:
         return self.tiers[-1]
 
-    @property
-    def pins(self) -> Pins:
-        """The durable tier's pins: the store's."""
-        return self.durable.pins
-
     def chosen(self, tier: str | None) -> tuple[Tier, ...]:
         """Every tier, or the one named; ConfigError naming those there are."""
         if tier is None:
@@ -256,31 +251,45 @@ class Maintenance:
         return doomed
 
     def _refuse_protected(self, steps: Sequence[int], chosen: Sequence[Tier]) -> None:
+        """A ConflictError naming every step of ``steps`` that is latest or pinned, and
+        where (invariant 4 holds for ``rm`` too, unless forced)."""
         latest = self.resolver.latest()
+        protected: list[tuple[int, str]] = []
         for step in steps:
-            pinned = [t for t in self.tiers if step in t.pins.steps()]
-            is_latest = latest is not None and latest.step == step
-            if not is_latest and not pinned:
+            if latest is not None and latest.step == step:
+                protected.append((step, "latest"))
                 continue
-            if latest is not None and is_latest:
-                what, fix = f"the latest step (in {latest.uri})", ""
+            pinned = [t for t in self.tiers if step in t.pins.steps()]
+            if not pinned:
+                continue
+            if self.durable in pinned:  # the store's pin: a user's
+                protected.append((step, "pinned"))
+            elif not self.durable.holds(step):  # a copy's: kept until it lands
+                protected.append((step, f"pinned in {pinned[0].uri} until it is durable"))
             else:
-                what = "pinned in " + ", ".join(t.label() for t in pinned)
-                fix = "unpin it first or "
-                if any(t is not self.durable and not self.durable.holds(step) for t in pinned):
-                    what += ", where it is kept until it is in the durable tier"
-            raise ConflictError(
-                f"step {step} of {chosen[-1].uri} is {what}; {fix}pass force=True to delete it "
-                "anyway (CLI: --force); nothing was deleted",
-                uri=chosen[-1].catalog.uri(layout.step_dir(step)),
-                path=layout.step_dir(step),
-                step=step,
-            )
+                protected.append((step, "pinned in " + ", ".join(t.uri for t in pinned)))
+        if not protected:
+            return
+        listed = ", ".join(f"{step} ({why})" for step, why in protected)
+        at = ""
+        if latest is not None and len(self.tiers) > 1 and protected[0][1] == "latest":
+            at = f" (latest is {latest.uri})"
+        first = protected[0][0]
+        raise ConflictError(
+            f"{chosen[-1].uri}: {'step' if len(protected) == 1 else 'steps'} {listed} cannot "
+            f"be deleted without force=True (CLI: --force), or unpin a pinned step first{at}; "
+            "nothing was deleted",
+            uri=chosen[-1].catalog.uri(layout.step_dir(first)),
+            path=layout.step_dir(first),
+            step=first,
+        )
 
     def _delete(self, step: int, chosen: Sequence[Tier]) -> None:
-        """Tombstones in every tier first, then the pointers, then the payload."""
+        """Tombstones in every tier first, then the pointers, then the payload. The pins go
+        from the chosen tiers, and a faster tier's too when the durable tier is chosen: it
+        kept the step for a copy that is not wanted any more."""
         self.forget(step)
-        for t in chosen:
+        for t in self.tiers if self.durable in chosen else chosen:
             t.pins.remove(step)
         marked = [t for t in chosen if t.remover.mark_uncommitted(step) is not None]
         for t in chosen:
