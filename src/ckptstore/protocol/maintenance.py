@@ -291,11 +291,11 @@ class Maintenance:
         self.forget(step)
         for t in self.tiers if self.durable in chosen else chosen:
             t.pins.remove(step)
-        marked = [t for t in chosen if t.remover.mark_uncommitted(step) is not None]
+        marked = [(t, m) for t in chosen if (m := t.remover.mark_uncommitted(step)) is not None]
         for t in chosen:
             _move_pointer_back(t, step)
-        for t in marked:
-            t.remover.roll_forward(step)
+        for t, manifest in marked:
+            t.remover.finish_uncommit(manifest)
 
     # -- retention and gc --------------------------------------------------------------------
 

@@ -83,8 +83,14 @@ class Remover:
         half step. Removing the tombstone at once is safe here, unlike in :meth:`abort_step`:
         the files deleted belong to attempts that were committed, which nobody commits again."""
         manifest = self.mark_uncommitted(step)
-        if manifest is None:
-            return
+        if manifest is not None:
+            self.finish_uncommit(manifest)
+
+    def finish_uncommit(self, manifest: Manifest) -> None:
+        """The second half of :meth:`uncommit`, once its tombstone stands: the files the
+        manifest lists (an adopted step's too, which have no attempt), the attempts'
+        markers, then the tombstone."""
+        step = manifest.step
         attempts = {f.attempt for f in manifest.files if f.attempt is not None}
         markers = {layout.attempt_marker_path(step, a) for a in attempts}
         delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
