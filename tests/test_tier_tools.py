@@ -325,7 +325,10 @@ def test_the_cli_tools_act_on_both_tiers_with_local(
     where = ["--local", str(local), *endpoint]
     capsys.readouterr()
     assert cli_run(["verify", s3_uri, "1", "--json", *where]) == 0
-    assert json.loads(capsys.readouterr().out)["ok"] is True
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is True and doc["steps"][0]["tiers"] == [str(local)], doc
+    assert cli_run(["verify", s3_uri, "3", *where]) == 0
+    assert capsys.readouterr().out.strip() == f"step 3: OK ({local}, {s3_uri})"
     assert cli_run(["pin", s3_uri, "1", *where]) == 0
     assert "pinned step 1" in capsys.readouterr().out
     assert cli_run(["unpin", s3_uri, "1", *where]) == 0
@@ -412,6 +415,14 @@ def test_a_wiped_local_copy_is_not_told_to_load_an_earlier_step(
             f.unlink()
         caplog.set_level(logging.WARNING, logger="ckptstore")
         assert same(store.load(), state(1))
+        lines = [r.getMessage() for r in caplog.records]
+        assert any("next copy" in m for m in lines), lines
+        assert not any("earlier step" in m for m in lines), lines
+        caplog.clear()
+        info = store.info(1)  # the local tier's; a face that reads file by file (the DCP
+        assert info.tier == "local"  # reader) takes each from the fastest tier holding it
+        entry = next(f for f in info.files if f.path.endswith(".safetensors"))
+        assert len(store.read_file(info, entry.path)) == entry.size
     lines = [r.getMessage() for r in caplog.records]
-    assert any("next copy" in m or "next tier" in m for m in lines), lines
+    assert any(f"reading the file from {s3_uri}" in m for m in lines), lines
     assert not any("earlier step" in m for m in lines), lines

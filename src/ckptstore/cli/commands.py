@@ -273,7 +273,8 @@ def verify_command(
         verdict = "OK" if r.ok else "FAILED"
         if r.signature == SIGNATURE_NOT_CHECKED:
             verdict += " (bytes only: signed; signature not checked (no key))"
-        lines.append(f"step {r.step}: {verdict}")
+        where = f" ({', '.join(r.tiers)})" if local is not None else ""
+        lines.append(f"step {r.step}: {verdict}{where}")
         lines += [f"  {problem}" for problem in r.problems]
     if unchecked:
         lines.append(_NO_KEY_HINT)
