@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptstore.core.resolver import Resolver
+from ckptstore.core.resolver import LOCAL, Resolver
 from ckptstore.domain import layout
 from ckptstore.domain.info import GcReport, VerifyReport, signature_status
 from ckptstore.errors import (
@@ -117,9 +117,11 @@ class Maintenance:
         found = tuple(t for t in self.tiers if t.name == tier)
         if not found:
             names = ", ".join(t.name for t in self.tiers)
+            fix = "name one of those"
+            if tier == LOCAL:
+                fix = "open the store with its local tier (local=PATH; CLI: --local PATH)"
             raise ConfigError(
-                f"{self.durable.uri} has no {tier} tier (it has: {names}); open the store with "
-                "its local tier (local=PATH; CLI: --local PATH) to act on that tier",
+                f"{self.durable.uri} has no {tier!r} tier (it has: {names}); {fix}",
                 uri=self.durable.uri,
             )
         return found
@@ -129,7 +131,8 @@ class Maintenance:
         holds, where else it is, and (a store opened without its local tier) how to reach
         one."""
         looked = " nor in ".join(
-            f"{t.label()} (committed there: {_steps([i.step for i in t.catalog.list()])})"
+            f"{t.label() if len(self.tiers) > 1 else t.uri} (committed there: "
+            f"{_steps([i.step for i in t.catalog.list()])})"
             for t in chosen
         )
         elsewhere = [t for t in self.tiers if t not in chosen and t.holds(step)]
