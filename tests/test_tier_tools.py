@@ -80,16 +80,20 @@ class FailsManifestOf(BackendProxy):
 
     def __init__(self, inner: Backend, step: int) -> None:
         super().__init__(inner)
-        self.manifest = f"global_step_{step}/manifest.json"
+        self.folder = f"global_step_{step}/"
+        self.failures = 0
+
+    def _check(self, path: str) -> None:
+        if path.startswith(self.folder) and path.endswith("manifest.json"):
+            self.failures += 1
+            raise BackendError(f"injected: the bucket refused {path}", retryable=False)
 
     def create(self, path: str, data: bytes) -> None:
-        if path == self.manifest:
-            raise BackendError(f"injected: the bucket refused {path}", retryable=False)
+        self._check(path)
         super().create(path, data)
 
     def write(self, path: str, chunks: Iterable[Chunk]) -> int:
-        if path == self.manifest:
-            raise BackendError(f"injected: the bucket refused {path}", retryable=False)
+        self._check(path)
         return super().write(path, chunks)
 
 
@@ -165,16 +169,18 @@ def test_deleting_a_due_step_drops_its_local_pin_and_no_copy_brings_it_back(
     it drops the pin; neither this store's ``wait``/``close`` nor the next writer (which
     persists every pinned step the bucket lacks) brings it back."""
     with bucket_backend(s3_uri, s3_options) as inner:
-        store = CheckpointStore(s3_uri, backend=FailsManifestOf(inner, 3), local=str(local),
-                                persist_every=1)  # fmt: skip
+        failing = FailsManifestOf(inner, 3)
+        store = CheckpointStore(s3_uri, backend=failing, local=str(local), persist_every=1)
         for step in (1, 2, 3):
             store.save(step, state(step))
+        with pytest.raises(BackendError, match="injected"):
+            store.wait()
+        assert failing.failures == 1
         assert 3 in pins_of(str(local))  # due: pinned until it is durable, which it never is
-        store.delete(3, force=True)  # waits for the copy in flight, if any
+        store.delete(3, force=True)
         assert 3 not in pins_of(str(local)) and 3 not in store.pins()
         assert [i.step for i in store.list()] == [1, 2]
-        store.wait()  # the failed copy of step 3 is no news: the step is gone on purpose
-        store.close()
+        store.close()  # nothing to copy: the newest step, 2, is durable
     with tiered(s3_uri, s3_options, local, persist_every=1) as store:
         store.save(4, state(4))  # the next writer persists every pinned step the bucket lacks
         store.wait()
@@ -279,6 +285,26 @@ def test_pin_verify_and_prune_act_on_a_step_only_the_local_tier_holds(
         assert store.prune() == [1]
         assert [i.step for i in store.list()] == [3, 4]
     assert steps_of(s3_uri, s3_options) == [4]  # close made the newest step durable
+
+
+def test_unpin_keeps_the_local_pin_of_a_step_whose_copy_failed(
+    s3_uri: str, s3_options: dict[str, Any], local: Path
+) -> None:
+    """Invariant 17: a due step is never dropped from the local tier before it is durable.
+    Unpinning it removes the store's pin, not the one that keeps it for its copy."""
+    with bucket_backend(s3_uri, s3_options) as inner:
+        failing = FailsManifestOf(inner, 3)
+        store = CheckpointStore(s3_uri, backend=failing, local=str(local), persist_every=1,
+                                local_keep_last=1)  # fmt: skip
+        for step in (1, 2, 3):
+            store.save(step, state(step))
+        store.pin(3)
+        assert store.unpin(3) is True
+        assert 3 in store.pins() and 3 not in pins_of(s3_uri, s3_options)
+        assert 3 not in store.prune()
+        with pytest.raises(BackendError, match="injected"):
+            store.close()  # the newest step is not durable: the job hears of it
+    assert 3 in pins_of(str(local)) and 3 in steps_of(str(local))
 
 
 def test_verify_finds_a_corrupt_local_copy_and_names_it(
