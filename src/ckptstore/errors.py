@@ -286,3 +286,15 @@ class SaveTimeoutError(DeadlineExceededError):
 
 class LoadTimeoutError(DeadlineExceededError):
     """A load ran past its deadline; the partial read was dropped."""
+
+
+def bad_copy(error: CheckpointError) -> str:
+    """What a verification error says of one tier's copy, without the advice its message
+    gives a store of one tier ("Load an earlier step"): a store with another tier reads that
+    tier's copy next, and the log must not tell it both (tiers/local.py, resolver.py)."""
+    where = error.uri or "a file of the step"
+    if isinstance(error, IncompleteCheckpointError):
+        return f"{where} is missing"
+    if isinstance(error, UntrustedCheckpointError):
+        return f"{where} is not signed with this store's key"
+    return f"{where} does not match its manifest (corrupt or truncated)"

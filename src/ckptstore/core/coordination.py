@@ -87,7 +87,7 @@ class SaveTarget(Protocol):
     @property
     def uri(self) -> str: ...
     def latest_step(self) -> int | None: ...  # the step not to fall behind, in any tier
-    def holds(self, step: int) -> bool: ...  # committed and readable in a tier of the store
+    def holder(self, step: int) -> str | None: ...  # the step's URI in a tier holding it
     def fences(self) -> Pointer | None: ...  # the pointer whose fences judge every tier
     def drain(self) -> None: ...
     def environment(self) -> Environment: ...
@@ -404,10 +404,11 @@ def check_not_behind(saver: SaveTarget, step: int, latest: int | None) -> None:
     ``advance_latest`` repairs it. A guard against mistakes, not a lock."""
     if latest is None or step >= latest:
         return
-    if not saver.holds(latest):
+    where = saver.holder(latest)
+    if where is None:
         return  # a pointer at a step deleted or unreadable: a resume fell back past it
     raise StepBehindLatestError(
-        f"{saver.uri}: refusing to save step {step}: latest is step {latest}, so step "
+        f"{saver.uri}: refusing to save step {step}: latest is step {latest} ({where}), so step "
         f"{step} would commit behind it and retention could delete it at once; nothing "
         "was uploaded. If this run continues the old one, resume first "
         "(`store.load()`, or `ckptstore.integrations.training.resume()`) and save the "

@@ -22,6 +22,7 @@ from ckptstore.core.resolver import Resolver
 from ckptstore.data.background import Abandon
 from ckptstore.data.payload import Progress, SourceFile, file_reader
 from ckptstore.data.transfer import scan_dir
+from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo, SaveStats
 from ckptstore.domain.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry
 from ckptstore.domain.plan import Plan
@@ -42,6 +43,8 @@ class Tiers(Protocol):
 
     def durable_holds(self, step: int) -> bool: ...
 
+    def durable_uri(self, path: str = "") -> str: ...
+
     def fences(self) -> Pointer | None: ...
 
     def decide(self, step: int) -> bool: ...
@@ -53,9 +56,6 @@ class Tiers(Protocol):
     def staged(self, plan: Plan, entries: Sequence[FileEntry]) -> None: ...
 
     def abandon(self, step: int, attempts: set[str]) -> None: ...
-
-    @property
-    def durable_uri(self) -> str: ...
 
 
 @dataclass
@@ -120,11 +120,15 @@ class Saver:
         (a local tier has no lease, so a writer fenced there still commits: node_tier.py)."""
         return self.tiers.fences() if self.tiers is not None else self.catalog.pointer_or_none()
 
-    def holds(self, step: int) -> bool:
-        """Whether a tier of this store holds ``step`` committed and readable (fresh reads)."""
+    def holder(self, step: int) -> str | None:
+        """``step``'s URI in a tier of this store that holds it committed and readable
+        (fresh reads; this saver's tier first); ``None`` when none does."""
+        path = layout.step_dir(step)
         if self.catalog.state_of(step, fresh=True) is StepState.COMMITTED:
-            return True
-        return self.tiers is not None and self.tiers.durable_holds(step)
+            return self.catalog.uri(path)
+        if self.tiers is not None and self.tiers.durable_holds(step):
+            return self.tiers.durable_uri(path)
+        return None
 
     def advance_latest(self, step: int, *, epoch: int, newest_before: int | None) -> None:
         """Move ``latest`` to ``step``, just committed. The pointer is trusted after that only
@@ -150,7 +154,7 @@ class Saver:
     def shares_to(self, plan: Plan) -> str | None:
         """The durable tier's URI if ``plan``'s participants copy their files there as they
         stage them (a due step of a tiered store: node_tier.py), else None."""
-        return self.tiers.durable_uri if self.tiers is not None and plan.due else None
+        return self.tiers.durable_uri() if self.tiers is not None and plan.due else None
 
     def discard_save(self, step: int, save: str | None, attempts: set[str]) -> None:
         """Remove what a coordinated save that will not be committed staged here (its

@@ -11,6 +11,7 @@ multi-process save is :class:`~ckptstore.tiers.node_tier.NodeTier`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -166,9 +167,9 @@ class Persister:
         self._decided: dict[int, bool] = {}
         self._durable_latest: int | None = None
         self._durable_known = False
+        self._dropped: set[int] = set()
         self._started = False
         self._lock = threading.Lock()
-        self._retention = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         self._pending: list[Future[None]] = []
         self.node = NodeTier(local, durable, failed=self._failed, retain=self.retain_local)
@@ -246,7 +247,7 @@ class Persister:
     def retain_local(self) -> None:
         """Apply the local tier's retention, after a local commit or a persist (one at a
         time: two prunes of one tier would race on the same manifests)."""
-        with self._retention:
+        with self.local.retention:
             self.local.pruner.after_save()
 
     def failed(self, step: int) -> None:
@@ -268,9 +269,9 @@ class Persister:
         """A participant staged ``entries`` in this node's tier (node_tier.py)."""
         self.node.staged(plan, entries)
 
-    @property
-    def durable_uri(self) -> str:
-        return self.durable.uri
+    def durable_uri(self, path: str = "") -> str:
+        """``path``'s URI in the durable tier (its root's without one)."""
+        return self.durable.catalog.uri(path)
 
     def abandon(self, step: int, attempts: set[str]) -> None:
         """A coordinated save of ``step`` failed: what this process staged of it leaves both
@@ -287,16 +288,42 @@ class Persister:
 
     # -- persisting --------------------------------------------------------------------------
 
+    def drop(self, step: int) -> None:
+        """``step`` is being deleted from the store (protocol/maintenance.py): no copy of it
+        runs once this returns (a queued one is skipped, the one in flight waited for), a
+        failure of its copy is no longer news, and the durable tier's latest is read again
+        at the next save. A later save of the step is persisted as any other."""
+        with self._lock:
+            self._dropped.add(step)
+        with contextlib.suppress(RuntimeError):  # closed: no copy can run
+            self._pool.submit(_nothing).result()
+        with self._lock:
+            self._failures.pop(step, None)
+            self._durable_known, self._durable_latest = False, None
+
+    def pending(self, step: int) -> bool:
+        """Whether ``step`` is on its way to the durable tier from this process, or its copy
+        failed and is not superseded: its local pin must stay (protocol/maintenance.py)."""
+        with self._lock:
+            if step in self._copying or step in self._failures:
+                return True
+        return step in self.node.copying()
+
     def queue(self, step: int) -> None:
         """Pin ``step`` in the local tier (retention keeps it) and persist it in the
         background."""
         self.local.pins.add(step)
         with self._lock:
+            self._dropped.discard(step)
             self._copying.add(step)
             self._pending.append(self._pool.submit(self._persist, step))
 
     def _persist(self, step: int) -> None:
         started = self.clock()
+        with self._lock:
+            if step in self._dropped:  # deleted while it waited: nothing to copy
+                self._copying.discard(step)
+                return
         try:
             manifest = self.local.catalog.read_manifest(step)
             persist(self.durable, manifest, self._gather)
@@ -410,6 +437,10 @@ class Persister:
     def fences(self) -> Pointer | None:
         """The durable tier's pointer: its fences judge the steps of both tiers."""
         return self.durable.catalog.pointer_or_none()
+
+
+def _nothing() -> None:
+    """A task for the copier's queue: once it ran, every copy queued before it has ended."""
 
 
 def _newer(a: int | None, b: int | None) -> int | None:
