@@ -52,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ckptstore.backends.base import Backend, join
-from ckptstore.deadline import remaining
+from ckptstore.deadline import Deadline, bounded, remaining
 from ckptstore.domain import layout
 from ckptstore.errors import (
     BackendError,
@@ -238,7 +238,9 @@ class WriterLease:
                 "%s: could not renew the writer lease (%s); %s",
                 self._uri,
                 self._last_error,
-                doubt or f"it is in doubt after {self.ttl:g} s without one",
+                "it commits nothing in the store until a renewal succeeds"
+                if doubt
+                else f"it is in doubt after {self.ttl:g} s without one",
             )
             return
         if self.unconfirmed() is not None:
@@ -351,8 +353,13 @@ class WriterLease:
         self._thread.start()
 
     def _beat(self, stop: threading.Event) -> None:
-        while not stop.wait(self.ttl / 4) and self.heartbeat():
-            pass
+        """Renew every ``ttl / 4``, each renewal by then too: one stuck in a storage that does
+        not answer would hold the lease's lock (and a release, a persist's renewal) for as
+        long as the storage retries."""
+        while not stop.wait(self.ttl / 4):
+            with bounded(Deadline.after(self.ttl / 4, store=self.backend.uri)):
+                if not self.heartbeat():
+                    return
 
     def release(self, *, hurry: bool | None = None) -> None:
         """Give the lease up, so the next writer needs no ``takeover``. Idempotent; runs at

@@ -114,6 +114,10 @@ def persist(
 def _refuse_fenced(saver: Saver, manifest: Manifest) -> None:
     pointer = saver.fences()
     if pointer is not None and pointer.fenced(manifest.step, manifest.writer, manifest.lease_epoch):
+        if manifest.writer == saver.committer.writer:
+            saver.hold_lease()  # fenced itself (a takeover during an outage): the renewal
+            # finds the new holder, so this writer knows and commits nothing more, not even
+            # locally (lease.py)
         raise FencedError(
             f"{saver.uri}: step {manifest.step} of the local tier was committed by "
             f"{manifest.writer} after it lost the writer lease; it is not persisted (it is "
