@@ -364,16 +364,18 @@ class Persister:
                     self._closing.wait(pause)
 
     def _waits_out(self, step: int, error: CheckpointError) -> bool:
-        """Whether a persist of ``step`` that failed with ``error`` is tried again: a failure
-        of the bucket (a storage error, a deadline, the lease in doubt; not a takeover, a
-        conflict or a missing file), while no later step is queued behind it (that one carries
+        """Whether a persist of ``step`` that failed with ``error`` is tried again: the bucket
+        not answering (a storage error that retrying may cure, a deadline, the lease in doubt;
+        not a takeover, a refusal, a conflict or a missing file), while no later step is queued behind it (that one carries
         on: it supersedes this one once durable), and while close's deadline allows (a
         ``close`` without ``save_timeout`` tries once more, then reports)."""
         lease = self.durable.lease
         if isinstance(error, FencedError):
             if lease is None or lease.lost is not None or lease.unconfirmed() is None:
                 return False
-        elif not isinstance(error, BackendError | DeadlineExceededError):
+        elif not isinstance(error, DeadlineExceededError) and not (
+            isinstance(error, BackendError) and error.retryable
+        ):
             return False
         with self._lock:
             if any(s > step for s in self._copying):
