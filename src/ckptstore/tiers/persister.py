@@ -24,8 +24,8 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 from ckptstore.core.coordination import Coordinator
 from ckptstore.core.observer import PersistStats, SaveObserver, TierObserver
@@ -366,9 +366,10 @@ class Persister:
     def _waits_out(self, step: int, error: CheckpointError) -> bool:
         """Whether a persist of ``step`` that failed with ``error`` is tried again: the bucket
         not answering (a storage error that retrying may cure, a deadline, the lease in doubt;
-        not a takeover, a refusal, a conflict or a missing file), while no later step is queued behind it (that one carries
-        on: it supersedes this one once durable), and while close's deadline allows (a
-        ``close`` without ``save_timeout`` tries once more, then reports)."""
+        not a takeover, a refusal, a conflict or a missing file), while no later step is
+        queued behind it (that one carries on: it supersedes this one once durable), and while
+        close's deadline allows (a ``close`` without ``save_timeout`` tries once more, then
+        reports)."""
         lease = self.durable.lease
         if isinstance(error, FencedError):
             if lease is None or lease.lost is not None or lease.unconfirmed() is None:
@@ -499,8 +500,16 @@ class Persister:
         did not finish."""
         with self._lock:
             pending = list(self._pending)
-        timeout = None if deadline is None else deadline.remaining() + CLOSE_SLACK
-        return wait_for(pending, timeout=timeout).not_done
+        end = None if deadline is None else time.monotonic() + deadline.remaining() + CLOSE_SLACK
+        unfinished = set()
+        for future in pending:  # each waited for by its own call: a pool may run it then
+            try:
+                future.exception(None if end is None else max(0.0, end - time.monotonic()))
+            except FuturesTimeout:
+                unfinished.add(future)
+            except CancelledError:
+                pass
+        return unfinished
 
     def _not_durable(self, why: str) -> SaveTimeoutError:
         """The error of a close that could not make every due step durable in time."""
