@@ -452,6 +452,8 @@ class Persister:
         :data:`CLOSE_SLACK` for a copy in flight to stop, it returns whatever the bucket does,
         raising a SaveTimeoutError that names the steps left in the local tier only (pinned:
         the next writer on this node persists them). Else it raises as :meth:`wait` does."""
+        if self._closing.is_set():
+            return  # closed already (its threads are stopped): a second close does nothing
         deadline = current_deadline()
         with self._lock:
             self._close_deadline = deadline
