@@ -13,6 +13,7 @@ holds the engines wiring.py built.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from ckptstore.data.background import SaveHandle
 from ckptstore.data.loading import download_step, load_state
 from ckptstore.data.payload import Progress
 from ckptstore.data.transfer import check_target
+from ckptstore.deadline import Deadline, bounded
 from ckptstore.domain import layout
 from ckptstore.domain.compat import check_compat
 from ckptstore.domain.info import CheckpointInfo, Loaded
@@ -48,6 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RELEASE_WAIT = 2.0
+"""Seconds a ``close()`` with ``save_timeout`` waits for the lease's release past its copies:
+a storage that does not answer leaves the record to expire after one TTL, as after a kill."""
 
 
 class CheckpointStore(StoreStaging, StoreUpkeep):
@@ -126,22 +131,37 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
         self.close()
 
     def close(self) -> None:
-        """Flush the save in flight (raising its error); with a local tier, make the last
-        step durable and wait for every copy (raising a failure no later durable step
-        superseded: tiers/local.py); release the writer lease (so the next job writes without
-        ``takeover``), then the backends."""
+        """Flush the save in flight (raising its error); with a local tier, make the pinned
+        due steps and the newest local step durable and wait for every copy (raising a failure
+        no later durable step superseded: tiers/persister.py); release the writer lease (so
+        the next job writes without ``takeover``), then the backends. Every part runs, and
+        every thread stops, whichever fails; the first failure is raised. With
+        ``save_timeout``, it returns by that deadline plus the slack of README "Bounded saves"
+        whatever the storage does, naming the steps left in the local tier only."""
+        failure: BaseException | None = None
+        deadline = Deadline.of(self.options.save_timeout)
         try:
-            self._async.close()
-            if self._tiers is not None:
-                self._tiers.close()
+            for part in (self._async.close, self._tiers.close if self._tiers else None):
+                try:
+                    if part is not None:
+                        with bounded(deadline) if deadline else contextlib.nullcontext():
+                            part()
+                except BaseException as e:
+                    if failure is not None:
+                        log.error("%s: close() failed again: %r", self.uri, e)
+                    failure = failure or e
         finally:
             try:
                 if self._lease is not None:
-                    self._lease.release()
+                    release = Deadline.of(RELEASE_WAIT if deadline is not None else None)
+                    with bounded(release) if release else contextlib.nullcontext():
+                        self._lease.close()
             finally:
                 self.backend.close()
                 if self._local is not None:
                     self._local.catalog.backend.close()
+        if failure is not None:
+            raise failure
 
     # -- writing -------------------------------------------------------------------------
 

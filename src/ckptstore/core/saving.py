@@ -165,12 +165,18 @@ class Saver:
             self.tiers.abandon(step, attempts)
 
     def hold_lease(self) -> int:
-        """Take or renew the writer lease (lease.py); the epoch, or 0 without leases."""
-        return self.lease.hold() if self.lease is not None else 0
+        """Take or renew the writer lease (lease.py); the epoch, or 0 without leases. In a
+        local tier, the lease held and not known lost, with no request (``vouch``): the
+        renewal is the persist's, so a local commit does not wait for the bucket."""
+        if self.lease is None:
+            return 0
+        return self.lease.vouch() if self.tiers is not None else self.lease.hold()
 
     def ensure_lease(self) -> int:
         """Take the writer lease if not held, without renewing it (lease.py); the epoch."""
-        return self.lease.ensure() if self.lease is not None else 0
+        if self.lease is None:
+            return 0
+        return self.lease.vouch() if self.tiers is not None else self.lease.ensure()
 
     def begin(
         self,

@@ -22,9 +22,15 @@ changed by compare-and-swap on the object's version:
   modification times), and where the storage cannot tell, it watches: a record that changes
   while watched has a live holder (``LeaseHeldError``, within about one heartbeat); one that
   stays unchanged for a TTL on the watcher's own monotonic clock has expired.
-* The holder gives up on its own clock too: when no renewal has succeeded for a whole TTL (the
-  storage is failing, or the process stalled) it cannot know whether someone took over, so it
-  refuses to commit (:class:`~ckptstore.errors.FencedError`, saying why) until reopened.
+* The holder doubts itself on its own clock too: when no renewal has succeeded for a whole TTL
+  (the storage is failing, or the process stalled) it cannot know whether someone took over, so
+  it commits nothing in the store (:class:`~ckptstore.errors.FencedError`, saying why) until a
+  renewal succeeds again. A renewal is a compare-and-swap on the version of its own last record,
+  so it succeeds only if nobody wrote the record since: nobody took over. One that finds another
+  holder loses the lease for good.
+* A commit in the store's local tier (tiers/local.py) asks only :meth:`WriterLease.vouch`:
+  held, and not known lost; no request. The proof of ownership, the renewal, is made when a
+  step is persisted to the store, so a local tier commits while the storage is away.
 
 What remains: a zombie whose renewal succeeded just before a takeover can still write one
 manifest, never ``latest``, in the round trip that follows; the takeover's fence in ``latest``
@@ -46,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ckptstore.backends.base import Backend, join
+from ckptstore.deadline import Deadline, bounded, remaining
 from ckptstore.domain import layout
 from ckptstore.errors import (
     BackendError,
@@ -130,6 +137,7 @@ class WriterLease:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     # -- holding -------------------------------------------------------------------------
 
@@ -138,6 +146,12 @@ class WriterLease:
         with self._lock:
             if self.lost is not None:
                 raise FencedError(self.lost, **self._context)
+            if self._closed:
+                raise FencedError(
+                    f"{self.backend.uri}: this store was closed and gave the writer lease up; "
+                    "open a new CheckpointStore to write again",
+                    **self._context,
+                )
             if self.epoch is not None and os.getpid() != self._owner_pid:
                 raise FencedError(
                     f"{self._uri}: held by the parent of this forked process", **self._context
@@ -159,10 +173,37 @@ class WriterLease:
                 pass  # hold() takes it, or refuses a forked child, with its own messages
             elif self.lost is not None:
                 raise FencedError(self.lost, **self._context)
-            else:
-                self._check_silence(self.monotonic())
+            elif self.unconfirmed() is None:
                 return self.epoch
+        return self.hold()  # silent for a TTL: only a renewal tells whether it is still ours
+
+    def vouch(self) -> int:
+        """The epoch a commit in the store's local tier is made under: the lease taken (the
+        first write takes it: a request), and not known lost. No request and no lock, so a
+        local commit never waits on the storage or on a heartbeat stuck in it; the proof of
+        ownership is the renewal made when a step is persisted (module docstring)."""
+        epoch, lost = self.epoch, self.lost
+        if lost is not None:
+            raise FencedError(lost, **self._context)
+        if epoch is not None and not self._closed and os.getpid() == self._owner_pid:
+            return epoch
         return self.hold()
+
+    def unconfirmed(self) -> str | None:
+        """Why the lease is in doubt: no renewal succeeded for a TTL (None: it is not). It
+        commits nothing in the store until a renewal succeeds (module docstring)."""
+        silent = self.monotonic() - self._renewed_at
+        if self.epoch is None or silent < self.ttl:
+            return None
+        error = self._last_error or "none: this process did not get to try (was it stopped?)"
+        return (
+            f"{self.backend.uri}: this writer ({self.writer}, epoch {self.epoch}) could not "
+            f"renew the writer lease for {silent:.0f} s (lease_ttl {self.ttl:g} s; last error: "
+            f"{error}). It cannot know whether another writer has taken the store over since, "
+            "so it commits nothing in the store until a renewal succeeds (the record unchanged "
+            "since its last one: nobody took over). Check the storage (network, credentials); "
+            "steps of a local tier stay there meanwhile"
+        )
 
     def heartbeat(self) -> bool:
         """One renewal (what the heartbeat thread does every ``ttl / 4``); False once the lease
@@ -181,7 +222,6 @@ class WriterLease:
         ``raising`` (a commit waits on it), else logged (the heartbeat tries again)."""
         assert self._record is not None
         started = self.monotonic()
-        self._check_silence(started)
         renewed = replace(self._record, renewed=max(self.clock(), self._record.renewed + 1e-6))
         try:
             self._write_ours(renewed)
@@ -189,29 +229,25 @@ class WriterLease:
             raise
         except Exception as e:  # a heartbeat must outlive any failure; silence decides
             self._last_error = f"{type(e).__name__}: {e}"
-            self._check_silence(self.monotonic())
+            doubt = self.unconfirmed()
+            if raising and doubt is not None:
+                raise FencedError(doubt, **self._context) from e
             if raising:
                 raise
             log.warning(
-                "%s: could not renew the writer lease (%s); it is lost after %g s without one",
+                "%s: could not renew the writer lease (%s); %s",
                 self._uri,
                 self._last_error,
-                self.ttl,
+                "it commits nothing in the store until a renewal succeeds"
+                if doubt
+                else f"it is in doubt after {self.ttl:g} s without one",
             )
             return
+        if self.unconfirmed() is not None:
+            log.warning("%s: renewed the writer lease after %.0f s without a renewal; nobody "
+                        "took it over", self._uri, started - self._renewed_at)  # fmt: skip
         self._renewed_at = started
         self._last_error = None
-
-    def _check_silence(self, now: float) -> None:
-        silent = now - self._renewed_at
-        if silent >= self.ttl:
-            error = self._last_error or "none: this process did not get to try (was it stopped?)"
-            self._lose(
-                f"could not renew it for {silent:.0f} s (lease_ttl {self.ttl:g} s; last error: "
-                f"{error}). It cannot know whether another writer has taken the store over "
-                "since, so it commits nothing more. Check the storage (network, credentials), "
-                "then reopen the store (a new CheckpointStore) to write again"
-            )
 
     def _write_ours(self, record: LeaseRecord) -> None:
         """Swap our record in; a version mismatch is our own retried write, or a takeover.
@@ -317,8 +353,13 @@ class WriterLease:
         self._thread.start()
 
     def _beat(self, stop: threading.Event) -> None:
-        while not stop.wait(self.ttl / 4) and self.heartbeat():
-            pass
+        """Renew every ``ttl / 4``, each renewal by then too: one stuck in a storage that does
+        not answer would hold the lease's lock (and a release, a persist's renewal) for as
+        long as the storage retries."""
+        while not stop.wait(self.ttl / 4):
+            with bounded(Deadline.after(self.ttl / 4, store=self.backend.uri)):
+                if not self.heartbeat():
+                    return
 
     def release(self, *, hurry: bool | None = None) -> None:
         """Give the lease up, so the next writer needs no ``takeover``. Idempotent; runs at
@@ -334,12 +375,13 @@ class WriterLease:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             # A Ctrl-C that landed in the heartbeat's start() may have left a thread that never
-            # started (join raises), or one that did: it sees the stop at its first wait.
+            # started (join raises), or one that did: it sees the stop at its first wait. A
+            # renewal stuck in the storage is waited for by the deadline in force (close's).
             with contextlib.suppress(RuntimeError):
-                thread.join(_STOP_WAIT)
+                thread.join(remaining(_STOP_WAIT))
         if os.getpid() != self._owner_pid:
             return  # a forked child: the lease is its parent's
-        if not self._lock.acquire(timeout=_STOP_WAIT):
+        if not self._lock.acquire(timeout=remaining(_STOP_WAIT)):
             log.warning("%s: the writer lease is busy; not released", self._uri)
             return
         try:
@@ -361,6 +403,12 @@ class WriterLease:
             let_go(self)
             self.epoch, self._record, self._thread = None, None, None
             self._lock.release()
+
+    def close(self) -> None:
+        """Release for good (the store's ``close()``): a thread of the store still running
+        (a copy to the store past close's deadline) can never take the lease back."""
+        self._closed = True
+        self.release()
 
     def release_when_collected(self, owner: object) -> None:
         """Release when ``owner`` (the store) is garbage-collected, holding no reference to it

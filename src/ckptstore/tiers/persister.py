@@ -7,6 +7,13 @@ stage, commit) whose staging is a copy: the same sequence as every save, written
 It resumes what a kill interrupted (the pins), supersedes failed copies once a later step is
 durable, and makes a writer's last step durable at ``close``. The participant's side of a
 multi-process save is :class:`~ckptstore.tiers.node_tier.NodeTier`.
+
+Why copies wait out an outage rather than fail: a local tier exists to keep training through a
+slow or absent bucket. Local commits ask nothing of it (the lease's renewal, the proof of
+ownership, is made here, when a step is persisted: lease.py), and a copy that failed for the
+bucket's sake (a storage error, its deadline, the lease in doubt) is tried again after a pause,
+for as long as no later step is queued behind it. ``close`` is bounded by ``save_timeout``
+whatever the bucket does, and says which steps stay local only.
 """
 
 from __future__ import annotations
@@ -17,19 +24,28 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 from ckptstore.core.coordination import Coordinator
 from ckptstore.core.observer import PersistStats, SaveObserver, TierObserver
 from ckptstore.core.resolver import Resolver
 from ckptstore.core.saving import Saver
 from ckptstore.data.copying import FileCopier
-from ckptstore.deadline import clean_up, remaining, within
+from ckptstore.deadline import Deadline, bounded, clean_up, current_deadline, remaining, within
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo, SaveStats
 from ckptstore.domain.manifest import FileEntry, Manifest
 from ckptstore.domain.plan import Plan
-from ckptstore.errors import CheckpointError, ConflictError, FencedError, IncompleteCheckpointError
+from ckptstore.errors import (
+    BackendError,
+    CheckpointError,
+    ConflictError,
+    DeadlineExceededError,
+    FencedError,
+    IncompleteCheckpointError,
+    SaveTimeoutError,
+)
 from ckptstore.protocol.catalog import StepState, fenced
 from ckptstore.protocol.commit import Previous
 from ckptstore.protocol.pointer import Pointer
@@ -44,6 +60,12 @@ OTHER_NODES_WAIT = 600.0
 durable tier, unless the save's deadline (``save_timeout``) comes first."""
 OTHER_NODES_POLL = Backoff(base=0.05, cap=2.0, factor=1.5, jitter=0.0)
 """The pauses between listings of those files: 50 ms, half as long again each time, to 2 s."""
+RESUME_PAUSES = Backoff(base=0.5, cap=8.0, factor=2.0, jitter=0.0)
+"""The pauses before a copy that failed for the bucket's sake is tried again: 0.5 s, doubling,
+to 8 s (module docstring)."""
+CLOSE_SLACK = 2.0
+"""Seconds past close's deadline (``save_timeout``) that close waits for a copy in flight to
+stop: its requests end by that deadline plus the abort of an upload (README "Bounded saves")."""
 
 
 def persist(
@@ -92,6 +114,10 @@ def persist(
 def _refuse_fenced(saver: Saver, manifest: Manifest) -> None:
     pointer = saver.fences()
     if pointer is not None and pointer.fenced(manifest.step, manifest.writer, manifest.lease_epoch):
+        if manifest.writer == saver.committer.writer:
+            saver.hold_lease()  # fenced itself (a takeover during an outage): the renewal
+            # finds the new holder, so this writer knows and commits nothing more, not even
+            # locally (lease.py)
         raise FencedError(
             f"{saver.uri}: step {manifest.step} of the local tier was committed by "
             f"{manifest.writer} after it lost the writer lease; it is not persisted (it is "
@@ -169,6 +195,10 @@ class Persister:
         self._durable_known = False
         self._dropped: set[int] = set()
         self._started = False
+        self._closing = threading.Event()
+        """Set when ``close`` begins: copies waiting out an outage try once more now."""
+        self._close_deadline: Deadline | None = None
+        """close's deadline (``save_timeout`` from its start): every try runs by it."""
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         self._pending: list[Future[None]] = []
@@ -325,11 +355,8 @@ class Persister:
                 self._copying.discard(step)
                 return
         try:
-            manifest = self.local.catalog.read_manifest(step)
-            persist(self.durable, manifest, self._gather)
-        except CheckpointError as e:
-            self._failed(step, e)
-            return
+            if not self._persist_waiting_out(step):
+                return
         finally:
             with self._lock:
                 self._copying.discard(step)
@@ -351,6 +378,52 @@ class Persister:
                  self.uri, step, stats.seconds_to_durable)  # fmt: skip
         if isinstance(self.observer, TierObserver):
             self.observer.persisted(self.uri, stats)
+
+    def _persist_waiting_out(self, step: int) -> bool:
+        """Persist ``step``, trying again after a pause while it fails for the bucket's sake
+        (:meth:`_waits_out`); False once it failed for good (told to :meth:`_failed`). During
+        ``close``, each try runs by close's deadline."""
+        pauses = Pauses(RESUME_PAUSES)
+        while True:
+            deadline = self._close_deadline
+            try:
+                with bounded(deadline) if deadline is not None else contextlib.nullcontext():
+                    persist(self.durable, self.local.catalog.read_manifest(step), self._gather)
+                return True
+            except CheckpointError as e:
+                if not self._waits_out(step, e):
+                    self._failed(step, e)
+                    return False
+                pause = pauses.next()
+                log.warning("%s: step %d is not durable yet, the bucket failed (%s); trying "
+                            "again in %.1f s", self.uri, step, e, pause)  # fmt: skip
+                if deadline is not None:
+                    time.sleep(min(pause, deadline.remaining()))
+                else:
+                    self._closing.wait(pause)
+
+    def _waits_out(self, step: int, error: CheckpointError) -> bool:
+        """Whether a persist of ``step`` that failed with ``error`` is tried again: the bucket
+        not answering (a storage error that retrying may cure, a deadline, the lease in doubt;
+        not a takeover, a refusal, a conflict or a missing file), while no later step is
+        queued behind it (that one carries on: it supersedes this one once durable), and while
+        close's deadline allows (a ``close`` without ``save_timeout`` tries once more, then
+        reports)."""
+        lease = self.durable.lease
+        if isinstance(error, FencedError):
+            if lease is None or lease.lost is not None or lease.unconfirmed() is None:
+                return False
+        elif not isinstance(error, DeadlineExceededError) and not (
+            isinstance(error, BackendError) and error.retryable
+        ):
+            return False
+        with self._lock:
+            if any(s > step for s in self._copying):
+                return False
+        if not self._closing.is_set():
+            return True
+        deadline = self._close_deadline
+        return deadline is not None and not deadline.expired
 
     def _gather(self, step: int, entries: Sequence[FileEntry]) -> None:
         """Bring ``entries`` of ``step`` to the durable tier: copy those this node holds,
@@ -409,24 +482,91 @@ class Persister:
             raise failures[max(failures)]
 
     def close(self) -> None:
-        """A writer's last local step is always made durable (a participant shares its files
-        of the last step it staged, which the coordinator's close waits for); then wait for
-        every copy (raising as :meth:`wait` does) and stop the threads."""
+        """Make the pinned due steps and the newest local step durable, whether or not this
+        writer saved (one that holds the lease: a kill's leftovers, a takeover; a participant
+        instead shares the files of the last step it staged, which the coordinator's close
+        waits for); wait for every copy; stop the threads, even when this raises.
+
+        By the deadline in force (the store's close sets ``save_timeout``'s): past it, plus
+        :data:`CLOSE_SLACK` for a copy in flight to stop, it returns whatever the bucket does,
+        raising a SaveTimeoutError that names the steps left in the local tier only (pinned:
+        the next writer on this node persists them). Else it raises as :meth:`wait` does."""
+        if self._closing.is_set():
+            return  # closed already (its threads are stopped): a second close does nothing
+        deadline = current_deadline()
+        with self._lock:
+            self._close_deadline = deadline
+        self._closing.set()
+        unfinished: set[Future[None]] = set()
         try:
-            with self._lock:
-                writing = self._started
-            if writing:
-                newest = self._newest_local()
-                if newest is not None and not self.durable.catalog.is_committed(newest):
-                    self.queue(newest)
-            else:
-                self.node.share_last()
-            self.wait()
+            try:
+                if self._writing():
+                    self.start()
+                    newest = self._newest_local()
+                    if newest is not None and not self.durable.catalog.is_committed(newest):
+                        self.queue(newest)
+                else:
+                    self.node.share_last()
+                self.node.drain()
+            except DeadlineExceededError as e:
+                raise self._not_durable(f"close() ran out of time ({e})") from e
+            unfinished = self._drain_by(deadline)
+            if unfinished:
+                raise self._not_durable(
+                    f"close() gave up waiting for the copies after save_timeout "
+                    f"({deadline.seconds if deadline is not None else 0:g} s) and "
+                    f"{CLOSE_SLACK:g} s more"
+                )
+            try:
+                self.wait()
+            except DeadlineExceededError as e:
+                if deadline is None or not deadline.expired:
+                    raise
+                raise self._not_durable(f"close() ran out of time ({e})") from e
         finally:
             try:
                 self.node.close()
             finally:
-                self._pool.shutdown(wait=True)
+                self._pool.shutdown(wait=not unfinished, cancel_futures=True)
+
+    def _writing(self) -> bool:
+        """Whether this process is the store's writer: it saved, or holds the lease."""
+        lease = self.durable.lease
+        with self._lock:
+            started = self._started
+        return started or (lease is not None and lease.epoch is not None and lease.lost is None)
+
+    def _drain_by(self, deadline: Deadline | None) -> set[Future[None]]:
+        """Wait for the queued copies, by ``deadline`` plus :data:`CLOSE_SLACK`; those that
+        did not finish."""
+        with self._lock:
+            pending = list(self._pending)
+        end = None if deadline is None else time.monotonic() + deadline.remaining() + CLOSE_SLACK
+        unfinished = set()
+        for future in pending:  # each waited for by its own call: a pool may run it then
+            try:
+                future.exception(None if end is None else max(0.0, end - time.monotonic()))
+            except FuturesTimeout:
+                unfinished.add(future)
+            except CancelledError:
+                pass
+        return unfinished
+
+    def _not_durable(self, why: str) -> SaveTimeoutError:
+        """The error of a close that could not make every due step durable in time."""
+        steps = self.local.pins.written()
+        message = (
+            f"{self.uri}: {why}; steps {steps} are not durable: they are in the local tier "
+            f"{self.local.uri} only, pinned there, and the next writer of this store on this "
+            "node persists them (its first save, or its close()). Check the bucket"
+            if steps
+            else f"{self.uri}: {why}; every due step is durable"
+        )
+        log.error("%s", message)
+        deadline = self._close_deadline
+        return SaveTimeoutError(
+            message, uri=self.uri, timeout=deadline.seconds if deadline is not None else None
+        )
 
     def _newest_local(self) -> int | None:
         """The local tier's newest step, by the durable fences (never a fenced writer's)."""
