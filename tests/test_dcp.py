@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptstore import CheckpointStore, ConfigError
+from ckptstore.core.collectives import Collectives
 from ckptstore.domain.layout import step_dir
+from ckptstore.errors import DistributedCheckpointError
 from ckptstore.integrations.dcp import METADATA_FILE, CkptStoreReader, CkptStoreWriter
 from ranks import run_ranks
 
@@ -229,3 +232,31 @@ def test_checkpoint_id_names_the_step(tmp_path: Path) -> None:
         state = {"t": torch.zeros(2)}
         dcp.load(state, storage_reader=CkptStoreReader(store), checkpoint_id="5")
         assert torch.equal(state["t"], torch.ones(2))
+
+
+def _choose_with_an_absent_rank(rank: int, world: int, uri: str) -> dict[str, Any]:
+    """Rank 1 never loads (it is busy elsewhere for 6 s): rank 0's reader, agreeing on the
+    step with the other ranks (what ``dcp.load`` first asks of it), must give up by its
+    load_timeout (0.5 s) plus the collectives' margin (2 s here, 30 s by default), not wait for
+    the process group's timeout."""
+    Collectives.MARGIN = 2.0  # this rank process only
+    if rank == 1:
+        time.sleep(6)
+        return {}
+    started = time.monotonic()
+    store = CheckpointStore(uri, lease=False, load_timeout=0.5)
+    with pytest.raises(DistributedCheckpointError) as caught:
+        CkptStoreReader(store).read_metadata()
+    store.close()
+    return {"seconds": time.monotonic() - started, "message": str(caught.value)}
+
+
+@pytest.mark.wallclock
+def test_the_reader_gives_up_agreeing_on_the_step_by_the_load_timeout(tmp_path: Path) -> None:
+    uri = str(tmp_path / "store")
+    with CheckpointStore(uri) as store:
+        dcp.save({"t": torch.ones(4)}, storage_writer=CkptStoreWriter(store, 1))
+    got = run_ranks(_choose_with_an_absent_rank, 2, tmp_path / "ranks", uri)
+    assert 2.0 <= got[0]["seconds"] < 0.5 + 2.0 + 5, got[0]
+    assert "load_timeout 0.5 s + 2 s" in got[0]["message"], got[0]
+    assert "call dcp.load on every rank" in got[0]["message"]

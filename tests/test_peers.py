@@ -26,7 +26,6 @@ from ckptstore.core.collectives import Collectives
 from ckptstore.domain.checksum import Crc32c
 from ckptstore.domain.manifest import FileEntry
 from ckptstore.errors import BackendError, DistributedCheckpointError
-from ckptstore.integrations import distributed
 from ckptstore.integrations.distributed import (
     load_distributed,
     save_distributed,
@@ -292,7 +291,7 @@ def _load_with_an_absent_rank(
     """Rank 1 never calls load_distributed (it is busy elsewhere for 6 s); rank 0 must give
     up by its load_timeout (0.5 s) plus the collectives' margin (2 s here, 30 s by default),
     not the process group's 60 s."""
-    distributed.COLLECTIVE_MARGIN = 2.0  # this rank process only: the test need not wait 30 s
+    Collectives.MARGIN = 2.0  # this rank process only: the test need not wait 30 s
     store = CheckpointStore(uri, storage_options=options, lease=False, load_timeout=0.5,
                             local=str(root / f"node{rank}"))  # fmt: skip
     if rank == 1:

@@ -41,6 +41,9 @@ class Collectives:
     (and is tested) in a single process.
     """
 
+    MARGIN = 30.0
+    """Seconds the collectives of a face with a deadline wait past it (:meth:`past`)."""
+
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
@@ -58,6 +61,15 @@ class Collectives:
         self.size = dist.get_world_size(group) if self.active else 1
         self.root = dist.get_global_rank(group, 0) if self.active and group is not None else 0
         """The global rank of the group's rank 0 (collectives address global ranks)."""
+
+    @classmethod
+    def past(cls, group: dist.ProcessGroup | None, deadline: float | None) -> Collectives:
+        """The collectives of a face whose every rank works by ``deadline`` seconds (a save's
+        or a load's): they give up :attr:`MARGIN` seconds after it, so a rank that failed at
+        its deadline (and cleaned up) still reaches them, and a rank that never does (hung
+        outside ckptstore's I/O, or not called) fails the others that much later. Without a
+        deadline, the process group's own timeout."""
+        return cls(group, timeout=None if deadline is None else deadline + cls.MARGIN)
 
     def broadcast(self, obj: T) -> T:
         """Rank 0's ``obj``, on every rank."""

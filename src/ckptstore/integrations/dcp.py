@@ -37,7 +37,7 @@ import logging
 import os
 import pickle
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +57,7 @@ from torch.futures import Future
 
 from ckptstore.backends.base import join
 from ckptstore.core.collectives import Collectives
-from ckptstore.core.coordination import Coordinator, Staged
+from ckptstore.core.coordination import Coordinator, Staged, describe
 from ckptstore.data.payload import SourceFile
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
@@ -67,6 +67,7 @@ from ckptstore.errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
     NotFoundError,
 )
 from ckptstore.integrations.dcp_unpickle import check_weights_only, load_metadata, load_tensor
@@ -281,7 +282,25 @@ class CkptStoreReader(StorageReader):
         if self.step is not None:
             found = self.store.resolver.resolve(self.step, False, read)
             return found.info, found.value
-        comm = Collectives(self.group)
+        timeout = self.store.options.load_timeout
+        try:  # making the group is a collective too
+            return self._agree(Collectives.past(self.group, timeout), read)
+        except RuntimeError as e:  # a collective gave up: a rank never reached it
+            waited = "the process group's timeout" if timeout is None else (
+                f"load_timeout {timeout:g} s + {Collectives.MARGIN:g} s")  # fmt: skip
+            rank = Collectives(self.group).rank
+            raise DistributedCheckpointError(
+                f"{self.store.uri}: the DCP load was abandoned: rank {rank} waited {waited} "
+                f"for the other ranks to agree on the step, and some never came ({e}); call "
+                "dcp.load on every rank of the group, or raise load_timeout",
+                {rank: describe(e)},
+                uri=self.store.uri,
+            ) from e
+
+    def _agree(
+        self, comm: Collectives, read: Callable[[CheckpointInfo], bytes]
+    ) -> tuple[CheckpointInfo, bytes]:
+        """Rank 0 resolves the step; every rank gets it with its verified ``.metadata``."""
         chosen: tuple[CheckpointInfo, bytes] | CheckpointError | None = None
         if comm.rank == 0:
             try:

@@ -72,10 +72,6 @@ def rank_dir(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
-COLLECTIVE_MARGIN = 30.0
-"""Seconds a collective of a save with a deadline waits past it: a rank whose save failed at
-the deadline (and cleaned up) still reaches the collective, and a rank that never does (hung
-outside ckptstore's I/O) fails every other rank's save this long after the deadline."""
 # -- saving ---------------------------------------------------------------------------------
 
 
@@ -96,18 +92,18 @@ def save_distributed(
     a failure after the commit (moving ``latest``) leaves it committed. ``metadata`` is rank 0's.
 
     With the store's ``save_timeout``, each rank's part runs by that deadline, and the
-    collectives wait :data:`COLLECTIVE_MARGIN` seconds longer at most, so a rank that stalls
+    collectives wait :attr:`Collectives.MARGIN` seconds longer at most, so a rank that stalls
     makes every rank fail within the deadline plus that margin.
     """
     step = layout.check_step(step)
     timeout = store.options.save_timeout
-    comm = Collectives(group, timeout=None if timeout is None else timeout + COLLECTIVE_MARGIN)
+    comm = Collectives.past(group, timeout)
     try:  # the deadline is the coordinated save's (coordination.py), on every rank
         return _save(store, comm, step, state, metadata, allow_pickle)
     except RuntimeError as e:  # a collective gave up waiting: a rank never reported
         raise DistributedCheckpointError(
             f"step {step} was not saved: rank {comm.rank} waited {timeout} s + "
-            f"{COLLECTIVE_MARGIN:g} s for the other ranks, and some never reported ({e}); "
+            f"{Collectives.MARGIN:g} s for the other ranks, and some never reported ({e}); "
             "nothing was committed by this rank, and gc removes what was staged",
             {comm.rank: describe(e)},
             **_step_context(store.uri, step),
@@ -249,18 +245,18 @@ def load_distributed(
     rank loads the step it offers. With no ``step`` and ``fallback``, a step that fails
     verification on any rank is skipped, on every rank, for the newest older one (as
     ``store.load`` does). ``store.last_loaded`` tells which step was loaded. Every rank loads
-    by the store's ``load_timeout``, and its collectives wait :data:`COLLECTIVE_MARGIN` seconds
+    by the store's ``load_timeout``, and its collectives wait :attr:`Collectives.MARGIN` seconds
     longer at most (without one, the process group's own timeout); copies from peer nodes wait
     :data:`PEER_TIMEOUT` at most.
     """
     timeout = store.options.load_timeout
     try:
-        comm = Collectives(group, timeout=None if timeout is None else timeout + COLLECTIVE_MARGIN)
+        comm = Collectives.past(group, timeout)
         with store.resolver.loading():
             return _load(store, comm, step, fallback, allow_pickle)
     except RuntimeError as e:  # a collective gave up waiting: a rank never reached it
         waited = "the process group's timeout" if timeout is None else (
-            f"load_timeout {timeout:g} s + {COLLECTIVE_MARGIN:g} s")  # fmt: skip
+            f"load_timeout {timeout:g} s + {Collectives.MARGIN:g} s")  # fmt: skip
         rank = dist.get_rank(group) if dist.is_initialized() else 0
         raise DistributedCheckpointError(
             f"{store.uri}: the load was abandoned: rank {rank} waited {waited} for the "
