@@ -20,7 +20,8 @@ however many requests it refused at once.
 
 botocore has no public call for "refresh now"; :meth:`Renewal.renew` uses the refreshable
 object's refresh lock and its ``_protected_refresh``, the same steps its mandatory refresh
-takes. Where they are missing (static keys, a botocore that renamed them) nothing is renewed:
+takes, and :meth:`Renewal.key` its current keys (``_frozen_credentials``), read without
+starting a refresh. Where they are missing (static keys, a botocore that renamed them) nothing is renewed:
 the request fails with AccessDeniedError naming the expired token, as before.
 """
 
@@ -44,12 +45,16 @@ class Renewal:
         """Keys replaced because the server refused them (for tests and logs)."""
 
     def key(self) -> str | None:
-        """The access key the next request signs with (None where unknown)."""
+        """The access key the next request signs with (None where unknown). Read from the
+        refreshable object's current keys without starting a refresh: a refresh (a credential
+        process, a call to STS) belongs in the request's attempt, which runs by the deadline."""
         source = self._source
         if source is None:
             return None
         try:
-            return str(source.get_frozen_credentials().access_key)
+            frozen = getattr(source, "_frozen_credentials", None)
+            frozen = frozen if frozen is not None else source.get_frozen_credentials()
+            return str(frozen.access_key)
         except Exception:  # a refresh that failed: the request's own attempt reports it
             return None
 
