@@ -206,7 +206,7 @@ CASES = [
         "rm of the latest step",
         lambda s, t: s.delete(2),
         CheckpointError,
-        "is the latest step; pass force=True to delete it anyway",
+        "step 2 (latest) cannot be deleted without force=True (CLI: --force)",
     ),
 ]
 

@@ -51,3 +51,22 @@ def test_bench_smoke_prints_every_row(tmp_path: Path, monkeypatch: pytest.Monkey
         assert len(row["seconds"]) == 1 and row["mb_s"] > 0, key
     incremental = rows[("s3", "ckptstore incremental")]
     assert 0 < incremental["notes"]["changed_fraction"] < 0.15
+
+
+@pytest.mark.slow
+def test_bench_peers_smoke_prints_both_comparisons(tmp_path: Path) -> None:
+    """bench_peers.py at 8 MiB: the recovery beside raw gloo and the disk, the RSS rows, and
+    the ratios, from one run."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_peers.py"), "--size-mb", "8", "--runs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = ["| raw gloo send/recv", "| disk: write + fsync", "| peer recovery of node 1",
+            "| load_distributed, node 1 wiped", "| replicas=0 |", "| replicas=1 |"]  # fmt: skip
+    for row in rows:
+        assert row in proc.stdout, (row, proc.stdout)
+    assert "ratios from this run: peer recovery takes" in proc.stdout

@@ -25,7 +25,7 @@ import torch
 import ckptstore
 from ckptstore import CheckpointStore
 from ckptstore.domain.layout import PINS_DIR
-from ckptstore.errors import ConflictError
+from ckptstore.errors import ConflictError, FencedError
 from ckptstore.testing.faultmodes import Fault
 from ckptstore.testing.faultproxy import FaultProxy
 from harness.tiersaver import state
@@ -128,3 +128,8 @@ def test_a_failed_close_still_persists_stops_every_thread_and_releases_the_lease
     assert left == [], f"threads still running after close(): {left}"
     assert lease_record(s3_client, s3_uri)["released"] is True
     assert durable_steps(s3_uri, s3_options) == [1, 2]
+    assert store.lease is not None
+    with pytest.raises(FencedError, match="was closed"):
+        store.lease.hold()  # nothing of the closed store can take the lease back
+    store.close()  # a second close does nothing
+    assert lease_record(s3_client, s3_uri)["released"] is True

@@ -136,6 +136,24 @@ def test_local_saves_commit_while_the_bucket_is_stopped_and_copies_resume(
         assert same(reader.load(), state(5))
 
 
+def test_without_save_timeout_local_saves_do_not_wait_for_the_bucket_either(
+    server: Server, tmp_path: Path
+) -> None:
+    bucket = server.bucket()
+    uri, local = f"s3://{bucket}/run", tmp_path / "local"
+    store = CheckpointStore(
+        uri, local=str(local), persist_every=1, lease_ttl=TTL, storage_options=server.options()
+    )
+    store.save(1, state(1))
+    store.wait()
+    with server.stopped():
+        timed_save(store, 2)  # the copy of step 2 waits in the bucket's retries meanwhile
+        timed_save(store, 3)
+    store.wait()
+    assert durable_steps(uri, server.options())[-1] == 3
+    store.close()
+
+
 def test_close_returns_by_its_deadline_while_the_bucket_is_stopped(
     server: Server, tmp_path: Path
 ) -> None:

@@ -457,8 +457,9 @@ class TieredStoreModel(RuleBasedStateMachine):
       pinned ones (exactly: the model predicts each tier's steps and the pins);
     * after ``wait()`` every due step is durable (those a killed writer left pinned once
       the next writer wrote), its pin gone, the durable ``latest`` the newest durable step;
-    * after ``close()`` of a writer that saved, its last step is durable and ``latest``
-      there; the local tier holds at most 2 steps plus the pinned ones (none);
+    * after ``close()`` of a writer (one that saved, or holds the lease by a takeover), the
+      pins a kill left and its last step are durable and ``latest`` there; the local tier
+      holds at most 2 steps plus the pinned ones (none);
     * a kill (the store abandoned, perhaps dying at its n-th durable write while copying)
       loses no step that was durable and no local one retention would keep: the next
       writer (``takeover=True``) persists what the kill left pinned; a lost local tier
@@ -486,6 +487,9 @@ class TieredStoreModel(RuleBasedStateMachine):
         """The writer's saves since its last due one (``persist_every`` counts them)."""
         self.started = False
         """Whether the writer wrote (its first write persists the pins a kill left)."""
+        self.holds = False
+        """Whether the writer holds the lease without a write (opened with takeover=True):
+        its close() persists the pins a kill left and its newest local step."""
         self.loaded: dict[int, Manifest] = {}
         self.dead: list[CheckpointStore] = []
         self.writer, self.switch = self._open()
@@ -509,6 +513,7 @@ class TieredStoreModel(RuleBasedStateMachine):
     def _reopen(self, *, takeover: bool) -> None:
         self.writer, self.switch = self._open(takeover=takeover)
         self.queued, self.since, self.started = [], 0, False
+        self.holds = takeover
 
     def teardown(self) -> None:
         for store in self.dead:
@@ -611,11 +616,17 @@ class TieredStoreModel(RuleBasedStateMachine):
 
     @rule()
     def close_reopen(self) -> None:
-        """close() makes a writer's last step durable (one that saved: a store opened and
-        closed without a save persists nothing) and waits for every copy."""
+        """close() makes a writer's pinned steps and last step durable (one that saved or
+        holds the lease, as one opened with ``takeover=True`` after a kill does; a store
+        opened and closed without either persists nothing) and waits for every copy."""
         newest = max(self.local, default=None)
+        writing = self.started or self.holds
+        if writing and not self.started:  # never saved: close persists the pins a kill left
+            self.pinned &= self.local
+            self.pinned -= self.durable
+            self.queued += sorted(self.pinned - set(self.queued))
         self.writer.close()
-        if self.started and newest is not None:
+        if writing and newest is not None:
             if newest not in self.durable | set(self.queued):
                 self.pinned.add(newest)
                 self.queued.append(newest)
@@ -636,12 +647,13 @@ class TieredStoreModel(RuleBasedStateMachine):
     def kill(self, lose_local_tier: bool) -> None:
         """Killed between two waits: the copies it queued never ran; their pins stay. Or
         the node is replaced (``lose_local_tier``): its local tier is gone, and the next
-        writer resumes from the durable tier; the local steps past it are lost."""
-        self._killed()
+        writer resumes from the durable tier; the local steps past it are lost. The new node's
+        disk is empty when the next writer starts there (it claims it: tiers/identity.py)."""
         if lose_local_tier:
             shutil.rmtree(self.local_dir, ignore_errors=True)
             self.local, self.pinned = set(), set()
             self.due &= self.durable
+        self._killed()
 
     @rule(calls=st.integers(1, 12), delta=st.integers(1, 3))
     def kill_persisting(self, calls: int, delta: int) -> None:

@@ -193,7 +193,9 @@ class BackendError(CheckpointError):
 
 class DistributedCheckpointError(CheckpointError):
     """A multi-rank save or load failed; ``failures`` maps each failing rank (or node, or
-    ``"coordinator"``) to its error."""
+    ``"coordinator"``) to its error. ``discarded``: the save's step is certainly not
+    committed and its staged files are being removed, so each participant removes its own
+    (a step that may be committed keeps them)."""
 
     def __init__(
         self,
@@ -203,9 +205,11 @@ class DistributedCheckpointError(CheckpointError):
         uri: str | None = None,
         step: int | None = None,
         path: str | None = None,
+        discarded: bool = False,
     ) -> None:
         super().__init__(message, uri=uri, step=step, path=path)
         self.failures: dict[int | str, str] = dict(failures or {})
+        self.discarded = discarded
 
 
 class AccessDeniedError(BackendError):
@@ -282,3 +286,15 @@ class SaveTimeoutError(DeadlineExceededError):
 
 class LoadTimeoutError(DeadlineExceededError):
     """A load ran past its deadline; the partial read was dropped."""
+
+
+def bad_copy(error: CheckpointError) -> str:
+    """What a verification error says of one tier's copy, without the advice its message
+    gives a store of one tier ("Load an earlier step"): a store with another tier reads that
+    tier's copy next, and the log must not tell it both (tiers/local.py, resolver.py)."""
+    where = error.uri or "a file of the step"
+    if isinstance(error, IncompleteCheckpointError):
+        return f"{where} is missing"
+    if isinstance(error, UntrustedCheckpointError):
+        return f"{where} is not signed with this store's key"
+    return f"{where} does not match its manifest (corrupt or truncated)"

@@ -83,8 +83,8 @@ class StoreOptions:
     persist_interval_seconds: float | None = None
     """Copy a save to the store once this many seconds passed since the last copy."""
     replicas: int = 0
-    """Copies of each rank's local files kept in the local tier of the next rank's node
-    (``save_distributed``), so a lost node resumes from its peer, not the bucket (peers.py)."""
+    """Copies of each rank's local files kept in the local tier of a rank on another node
+    (``save_distributed``), so a lost node resumes from its peers, not the bucket (peers.py)."""
     spelling: InitVar[Spelling] = PYTHON
 
     def __post_init__(self, spelling: Spelling) -> None:

@@ -94,9 +94,11 @@ class StoreEngines:
         return self._tiers
 
     @property
-    def local_uri(self) -> str | None:
-        """The local tier's URI (where this process stages its files), if the store has one."""
-        return self._local.uri if self._local is not None else None
+    def node(self) -> str | None:
+        """The node this process stages on: its local tier's node id (tiers/identity.py), the
+        same for every process given that directory on this node's disk and different on
+        every other node whatever its path; None without a local tier."""
+        return self._local.identity.node if self._local is not None else None
 
     @property
     def shard_size(self) -> int:

@@ -14,7 +14,7 @@ from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo, GcReport, VerifyReport
 from ckptstore.domain.manifest import check_metadata
 from ckptstore.protocol.adoption import ForeignStep
-from ckptstore.protocol.garbage import GC_GRACE_SECONDS, GarbageCollector
+from ckptstore.protocol.garbage import GC_GRACE_SECONDS
 from ckptstore.replication.replicator import Replicable, replicate
 from ckptstore.store_engines import StoreEngines
 
@@ -22,33 +22,52 @@ from ckptstore.store_engines import StoreEngines
 class StoreUpkeep(StoreEngines):
     """Many-step operations of :class:`~ckptstore.store.CheckpointStore`."""
 
-    def verify(self, step: int | None = None) -> VerifyReport:
-        """Check every file of ``step`` (default: latest) against its manifest."""
-        return self._maintenance.verify(None if step is None else layout.check_step(step))
+    # With a local tier, each of these acts on both tiers, or on the one ``tier`` names
+    # ("local" or "durable"): protocol/maintenance.py.
 
-    def verify_all(self) -> builtins.list[VerifyReport]:
+    def verify(self, step: int | None = None, *, tier: str | None = None) -> VerifyReport:
+        """Check every file of ``step`` (default: latest) against its manifest, each tier's
+        copy (``VerifyReport.tiers`` names them)."""
+        checked = None if step is None else layout.check_step(step)
+        return self._maintenance.verify(checked, tier)
+
+    def verify_all(self, *, tier: str | None = None) -> builtins.list[VerifyReport]:
         """``verify`` for every committed step, including those with unreadable manifests."""
-        return self._maintenance.verify_all()
+        return self._maintenance.verify_all(tier)
 
-    def pin(self, step: int) -> None:
-        """Protect a committed step from retention until ``unpin``."""
-        self._maintenance.pin(layout.check_step(step))
+    def pin(self, step: int, *, tier: str | None = None) -> None:
+        """Protect a committed step from retention until ``unpin``, in every tier."""
+        self._maintenance.pin(layout.check_step(step), tier)
 
-    def unpin(self, step: int) -> bool:
-        """Remove a pin; returns False if the step was not pinned."""
-        return self._maintenance.pins.remove(layout.check_step(step))
+    def unpin(self, step: int, *, tier: str | None = None) -> bool:
+        """Remove a pin; returns False if the step was not pinned. A local pin of a step not
+        yet durable stays until its copy lands."""
+        return self._maintenance.unpin(layout.check_step(step), tier)
 
-    def pins(self) -> builtins.list[int]:
-        """The pinned steps, ascending."""
-        return self._maintenance.pins.steps()
+    def pins(self, *, tier: str | None = None) -> builtins.list[int]:
+        """The steps pinned in any tier, ascending."""
+        return self._maintenance.pinned(tier)
 
-    def prune(self, dry_run: bool = False) -> builtins.list[int]:
-        """Delete the committed steps the retention policy does not keep; returns them."""
-        return self._pruner.prune(dry_run)
+    def prune(self, dry_run: bool = False, *, tier: str | None = None) -> builtins.list[int]:
+        """Delete the committed steps each tier's retention does not keep (the store's
+        policy; ``local_keep_last``); returns them, ascending."""
+        return self._maintenance.prune(dry_run, tier)
 
-    def delete(self, step: int, *, force: bool = False) -> None:
-        """Delete a committed step; ``latest`` or a pinned one needs ``force``."""
-        self._maintenance.delete(layout.check_step(step), force)
+    def delete(
+        self,
+        step: int | Iterable[int],
+        *,
+        force: bool = False,
+        tier: str | None = None,
+        dry_run: bool = False,
+    ) -> builtins.list[int]:
+        """Delete committed steps from every tier (or ``tier``), all checked before any is
+        deleted; ``latest`` or a pinned one needs ``force``. ``latest`` moves back to the
+        newest step left; the step can be saved again. Returns the steps."""
+        steps = [step] if isinstance(step, int) else step
+        self._async.drain()  # a save in flight commits before, not under, the delete
+        return self._maintenance.delete(map(layout.check_step, steps), force, tier,
+                                        dry_run=dry_run)  # fmt: skip
 
     def copy_to(
         self,
@@ -63,13 +82,17 @@ class StoreUpkeep(StoreEngines):
         report.raise_failures()
         return report.copied
 
-    def gc(self, dry_run: bool = False, *, older_than: float = GC_GRACE_SECONDS) -> GcReport:
+    def gc(
+        self,
+        dry_run: bool = False,
+        *,
+        older_than: float = GC_GRACE_SECONDS,
+        tier: str | None = None,
+    ) -> GcReport:
         """Remove what failed saves and interrupted removals left, once proven dead
-        (garbage.py); NotFoundError, deleting nothing, if the URI holds no store."""
-        collector = GarbageCollector(
-            self._catalog, self._remover, self.clock, dry_run=dry_run, older_than=older_than
-        )
-        return collector.run()
+        (garbage.py), in every tier (paths then by full URI); NotFoundError, deleting
+        nothing, if the URI holds no store."""
+        return self._maintenance.gc(dry_run, older_than, tier)
 
     def adopt(
         self,

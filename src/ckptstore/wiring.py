@@ -12,8 +12,8 @@ siblings, and the store (store.py) only holds them.
 
 With ``local=``, a LocalTier (the same engines over a local directory, no lease of its own) and
 a second Saver that commits there; the first one becomes the durable tier's, which the
-Persister commits due steps through (tiers/local.py). Saves go to the front saver, every
-many-step operation to the durable tier's engines, and the Resolver sees both.
+Persister commits due steps through (tiers/local.py). Saves go to the front saver; the
+Resolver and every many-step operation (Maintenance: one Tier per tier) see both.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
 from ckptstore.config import key_bytes, signing_key_from_env
 from ckptstore.core.observer import SaveObserver
-from ckptstore.core.resolver import Resolver
+from ckptstore.core.resolver import DURABLE, LOCAL, Resolver
 from ckptstore.core.saving import Saver
 from ckptstore.data.async_saving import AsyncSaver
 from ckptstore.domain.manifest import Environment
@@ -39,7 +39,7 @@ from ckptstore.protocol.adoption import Adopter
 from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.commit import Committer
 from ckptstore.protocol.lease import WriterLease
-from ckptstore.protocol.maintenance import Maintenance
+from ckptstore.protocol.maintenance import Maintenance, Tier
 from ckptstore.protocol.pruning import Pins, Pruner
 from ckptstore.protocol.removal import Remover
 from ckptstore.replication.destination import Replica
@@ -87,8 +87,8 @@ def assemble(
     key = key_bytes(options.signing_key) if options.signing_key is not None else None
     key = key if key is not None else signing_key_from_env()
     signer = Signer(key) if key is not None else None
-    local = _local_tier(options, writer, signer, clock, backend.uri)
     catalog = Catalog(backend, signer=signer)
+    local = _local_tier(options, writer, signer, clock, catalog)
     remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
     faster = (local.catalog,) if local is not None else ()
     committer = Committer(catalog, remover, writer=writer, clock=clock, faster_tiers=faster)
@@ -106,7 +106,6 @@ def assemble(
     pins = Pins(backend)
     pruner = Pruner(catalog, remover, options.policy, pins)
     resolver = Resolver(catalog, faster=faster, load_timeout=options.load_timeout)
-    maintenance = Maintenance(catalog, resolver, committer, remover, pins, pruner)
     replica = Replica(catalog, committer, remover, pruner, hold, options.save_timeout)
     in_flight = AsyncSaver()
     saver = Saver(
@@ -120,8 +119,15 @@ def assemble(
         front = Saver(
             local.catalog, local.committer, local.remover, lease, persister.retain_local,
             environment, clock, options.incremental, options.shard_size, in_flight.drain,
-            observer, options.save_timeout, tiers=persister,
+            observer, options.save_timeout, tiers=persister, node=local.identity.node,
         )  # fmt: skip
+    tiers = [Tier(DURABLE, catalog, committer, remover, pins, pruner)]
+    if local is not None:
+        tiers.insert(0, Tier(LOCAL, local.catalog, local.committer, local.remover, local.pins,
+                             local.pruner, local.retention))  # fmt: skip
+    maintenance = Maintenance(resolver, tuple(tiers), clock)
+    if persister is not None:
+        maintenance = replace(maintenance, forget=persister.drop, pending=persister.pending)
     return Parts(
         writer, signer, catalog, remover, committer, resolver, lease, pruner, maintenance,
         replica, in_flight, front, Adopter(saver), local, persister,
@@ -133,16 +139,17 @@ def _local_tier(
     writer: str,
     signer: Signer | None,
     clock: Callable[[], float],
-    store: str,
+    durable: Catalog,
 ) -> LocalTier | None:
     """The engines of the local tier, when the store has one: its own retention
     (``local_keep_last``), the store's writer id and signing key, no lease of its own, and
-    the directory claimed for ``store`` (identity.py: another store's is refused)."""
+    the directory claimed for the ``durable`` store (identity.py: another store's is
+    refused)."""
     if options.local is None:
         return None
     backend = open_backend(options.local, {})
-    identity = claim(backend, store)
     catalog = Catalog(backend, signer=signer)
+    identity = claim(catalog, durable)
     remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
     committer = Committer(catalog, remover, writer=writer, clock=clock)
     pins = TierPins(backend)

@@ -86,7 +86,9 @@ class CoordinatedJob:
                 SourceFile(path, self._chunks(rank, data), len(data))
                 for path, data in self.files(rank).items()
             ]
-            report = Staged.of(rank, lambda: store.stage_files(plan.step, sources, plan=plan))
+            report = Staged.of(
+                rank, lambda: store.stage_files(plan.step, sources, plan=plan), node=store.node
+            )
             self.reports[rank] = report
             return report.error or f"{len(report.entries)} entries"
 

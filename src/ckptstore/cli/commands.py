@@ -29,6 +29,7 @@ from ckptstore.cli.common import (
     retention_of,
     retention_options,
     set_partial,
+    tier_options,
 )
 from ckptstore.cli.format import (
     format_pairs,
@@ -227,17 +228,27 @@ def _show_text(info: CheckpointInfo, *, latest: bool, pinned: bool, signature: s
 @click.argument("uri")
 @click.argument("step", type=STEP, required=False)
 @click.option("--all", "all_steps", is_flag=True, help="Verify every committed step.")
+@tier_options
 @common_options
 @click.pass_context
-def verify_command(ctx: click.Context, uri: str, step: StepRef | None, all_steps: bool) -> None:
-    """Check every byte of a step (default: latest) against its manifest; exit 4 on problems."""
+def verify_command(
+    ctx: click.Context,
+    uri: str,
+    step: StepRef | None,
+    all_steps: bool,
+    local: str | None,
+    tier: str | None,
+) -> None:
+    """Check every byte of a step (default: latest) against its manifest; exit 4 on problems.
+    With --local, each tier's copy."""
     if all_steps and step is not None:
         raise click.UsageError("give a STEP or --all, not both")
-    store = open_store(ctx, uri)
+    store = open_store(ctx, uri, local=local)
     if all_steps:
-        reports = store.verify_all()
+        reports = store.verify_all(tier=tier)
     else:
-        reports = [store.verify(None if step is None else resolve_step(store, step))]
+        number = None if step is None else resolve_step(store, step)
+        reports = [store.verify(number, tier=tier)]
     if not reports:
         raise empty_store(store)
     ok = all(r.ok for r in reports)
@@ -247,7 +258,13 @@ def verify_command(ctx: click.Context, uri: str, step: StepRef | None, all_steps
         "ok": ok,
         "signatures_checked": not unchecked,
         "steps": [
-            {"step": r.step, "ok": r.ok, "signature": r.signature, "problems": list(r.problems)}
+            {
+                "step": r.step,
+                "ok": r.ok,
+                "signature": r.signature,
+                "problems": list(r.problems),
+                "tiers": list(r.tiers),
+            }
             for r in reports
         ],
     }
@@ -256,7 +273,8 @@ def verify_command(ctx: click.Context, uri: str, step: StepRef | None, all_steps
         verdict = "OK" if r.ok else "FAILED"
         if r.signature == SIGNATURE_NOT_CHECKED:
             verdict += " (bytes only: signed; signature not checked (no key))"
-        lines.append(f"step {r.step}: {verdict}")
+        where = f" ({', '.join(r.tiers)})" if local is not None else ""
+        lines.append(f"step {r.step}: {verdict}{where}")
         lines += [f"  {problem}" for problem in r.problems]
     if unchecked:
         lines.append(_NO_KEY_HINT)

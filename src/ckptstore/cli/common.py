@@ -221,6 +221,23 @@ def load_timeout_option(f: F) -> F:
     )(f)
 
 
+def tier_options(f: F) -> F:
+    """``--local PATH`` and ``--tier``: a tool that acts on a store's steps (rm, pin, unpin,
+    prune, verify, gc) acts on both tiers of a tiered store given its local tier, or on the
+    one ``--tier`` names (protocol/maintenance.py)."""
+    f = click.option(
+        "--tier",
+        type=click.Choice(["local", "durable"]),
+        help="Act on this tier only (with --local); default: both.",
+    )(f)
+    return click.option(
+        "--local",
+        metavar="PATH",
+        help="The local tier in front of URI (a tiered store): act on both tiers, as its "
+        "reads see them.",
+    )(f)
+
+
 def retention_options(f: F) -> F:
     """The retention rules, for the commands that apply them (prune, push, cp) or show what
     they would delete (ls); read them with ``retention_of``. The store checks them

@@ -1,8 +1,8 @@
 """The commands that change which steps a store keeps: prune, pin, unpin, rm and gc.
 
 Each opens the store with :func:`~ckptstore.cli.common.open_store` and calls one store method;
-retention, pins, tombstone-first deletes and gc's proofs are the store's (pruning.py,
-removal.py, garbage.py).
+retention, pins, tombstone-first deletes, gc's proofs, and which tiers of a tiered store
+(``--local``, ``--tier``) each acts on are the store's (protocol/maintenance.py).
 """
 
 from __future__ import annotations
@@ -10,21 +10,23 @@ from __future__ import annotations
 import click
 
 from ckptstore.cli.common import (
+    COUNT,
     STEP,
     StepRef,
     common_options,
     emit,
     latest_step,
+    on_store_option,
     open_store,
     resolve_step,
     retention_of,
     retention_options,
     step_list,
+    tier_options,
 )
 from ckptstore.cli.format import (
     plural,
 )
-from ckptstore.errors import ConflictError, NotFoundError
 
 # -- -----------------------------------------------------------------------
 
@@ -32,15 +34,27 @@ from ckptstore.errors import ConflictError, NotFoundError
 @click.command("prune")
 @click.argument("uri")
 @retention_options
+@click.option(
+    "--local-keep-last",
+    type=COUNT,
+    metavar="N",
+    expose_value=False,
+    callback=on_store_option,
+    help="Retention of the local tier (with --local): keep its N newest steps (default 2).",
+)
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
+@tier_options
 @common_options
 @click.pass_context
-def prune_command(ctx: click.Context, uri: str, dry_run: bool) -> None:
+def prune_command(
+    ctx: click.Context, uri: str, dry_run: bool, local: str | None, tier: str | None
+) -> None:
     """Delete the steps no retention option keeps (a step is kept if any option keeps it;
-    never latest, pinned, or newer than latest)."""
-    store = open_store(ctx, uri, retention=retention_of(ctx))
-    doomed = store.prune(dry_run=dry_run)
-    kept = [i.step for i in store.list() if i.step not in doomed]
+    never latest, pinned, or newer than latest). With --local, each tier by its own
+    retention: the options above for URI, --local-keep-last for the local tier."""
+    store = open_store(ctx, uri, retention=retention_of(ctx), local=local)
+    doomed = store.prune(dry_run=dry_run, tier=tier)
+    kept = [i.step for i in store.list() if not (dry_run and i.step in doomed)]
     data = {"uri": store.uri, "dry_run": dry_run, "deleted": doomed, "kept": kept}
     verb = "would delete" if dry_run else "deleted"
     emit(ctx, data, f"{verb} steps: {step_list(doomed)}\nkept steps: {step_list(kept)}")
@@ -49,14 +63,17 @@ def prune_command(ctx: click.Context, uri: str, dry_run: bool) -> None:
 @click.command("pin")
 @click.argument("uri")
 @click.argument("step", type=STEP)
+@tier_options
 @common_options
 @click.pass_context
-def pin_command(ctx: click.Context, uri: str, step: StepRef) -> None:
+def pin_command(
+    ctx: click.Context, uri: str, step: StepRef, local: str | None, tier: str | None
+) -> None:
     """Protect STEP (a number or 'latest') from retention (prune, keep_last) until unpinned."""
-    store = open_store(ctx, uri)
+    store = open_store(ctx, uri, local=local)
     number = resolve_step(store, step)
-    changed = number not in store.pins()
-    store.pin(number)
+    changed = number not in store.pins(tier=tier)
+    store.pin(number, tier=tier)
     data = {"uri": store.uri, "step": number, "pinned": True, "changed": changed}
     emit(ctx, data, f"pinned step {number}" if changed else f"step {number} was already pinned")
 
@@ -64,13 +81,16 @@ def pin_command(ctx: click.Context, uri: str, step: StepRef) -> None:
 @click.command("unpin")
 @click.argument("uri")
 @click.argument("step", type=STEP)
+@tier_options
 @common_options
 @click.pass_context
-def unpin_command(ctx: click.Context, uri: str, step: StepRef) -> None:
+def unpin_command(
+    ctx: click.Context, uri: str, step: StepRef, local: str | None, tier: str | None
+) -> None:
     """Let retention delete STEP (a number or 'latest') again."""
-    store = open_store(ctx, uri)
+    store = open_store(ctx, uri, local=local)
     number = resolve_step(store, step)
-    changed = store.unpin(number)
+    changed = store.unpin(number, tier=tier)
     data = {"uri": store.uri, "step": number, "pinned": False, "changed": changed}
     emit(ctx, data, f"unpinned step {number}" if changed else f"step {number} was not pinned")
 
@@ -80,27 +100,31 @@ def unpin_command(ctx: click.Context, uri: str, step: StepRef) -> None:
 @click.argument("steps", metavar="STEP...", type=STEP, nargs=-1, required=True)
 @click.option("--force", is_flag=True, help="Also delete the latest or a pinned step.")
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
+@tier_options
 @common_options
 @click.pass_context
 def rm_command(
-    ctx: click.Context, uri: str, steps: tuple[StepRef, ...], force: bool, dry_run: bool
+    ctx: click.Context,
+    uri: str,
+    steps: tuple[StepRef, ...],
+    force: bool,
+    dry_run: bool,
+    local: str | None,
+    tier: str | None,
 ) -> None:
     """Delete committed steps (numbers or 'latest'); latest moves back to the newest step left.
 
     Every STEP is checked first: one that is not committed, or is latest or pinned without
-    --force, refuses the whole command and nothing is deleted.
+    --force, refuses the whole command and nothing is deleted. With --local, from both tiers.
     """
-    store = open_store(ctx, uri)
-    doomed = sorted({resolve_step(store, s) for s in steps})
+    store = open_store(ctx, uri, local=local)
+    wanted = {resolve_step(store, s) for s in steps}
     committed = [i.step for i in store.list()]
     latest = latest_step(store) if committed else None
-    _check_removable(store.uri, doomed, committed, latest, store.pins(), force=force)
+    doomed = store.delete(wanted, force=force, tier=tier, dry_run=dry_run)
     if not dry_run:
-        for step in doomed:  # oldest first: latest, if it goes, moves back only once
-            store.delete(step, force=force)
-    if not dry_run:
-        after = latest_step(store)
-    elif latest in doomed:  # the store moves latest back to the newest older step left
+        after = latest_step(store) if store.list() else None
+    elif latest in doomed and tier is None:  # the store moves latest back past them
         after = max((s for s in committed if s not in doomed and s < latest), default=None)
     else:
         after = latest
@@ -115,38 +139,6 @@ def rm_command(
     )
 
 
-def _check_removable(
-    uri: str,
-    doomed: list[int],
-    committed: list[int],
-    latest: int | None,
-    pins: list[int],
-    *,
-    force: bool,
-) -> None:
-    """Refuse the whole ``rm`` if any step is not committed, or is protected without force."""
-    missing = [s for s in doomed if s not in committed]
-    if missing:
-        raise NotFoundError(
-            f"{plural(len(missing), 'step')} {step_list(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not committed in {uri} (committed: "
-            f"{step_list(committed)}); nothing was deleted",
-            uri=uri,
-            step=missing[0],
-        )
-    if force:
-        return
-    protected = [(s, "latest" if s == latest else "pinned") for s in doomed if s in {latest, *pins}]
-    if protected:
-        what = ", ".join(f"{s} ({why})" for s, why in protected)
-        raise ConflictError(
-            f"{uri}: {'step' if len(protected) == 1 else 'steps'} {what} cannot be deleted "
-            "without --force (or unpin a pinned step first); nothing was deleted",
-            uri=uri,
-            step=protected[0][0],
-        )
-
-
 @click.command("gc")
 @click.argument("uri")
 @click.option("--dry-run", is_flag=True, help="Only say what would be removed.")
@@ -158,12 +150,21 @@ def _check_removable(
     metavar="SECONDS",
     help="Leave younger objects alone: they may belong to a save in flight.",
 )
+@tier_options
 @common_options
 @click.pass_context
-def gc_command(ctx: click.Context, uri: str, dry_run: bool, older_than: float) -> None:
-    """Remove garbage: uncommitted step files, stray temp files and uploads, stale pins."""
-    store = open_store(ctx, uri)
-    report = store.gc(dry_run=dry_run, older_than=older_than)
+def gc_command(
+    ctx: click.Context,
+    uri: str,
+    dry_run: bool,
+    older_than: float,
+    local: str | None,
+    tier: str | None,
+) -> None:
+    """Remove garbage: uncommitted step files, stray temp files and uploads, stale pins.
+    With --local, in both tiers (paths then by full URI)."""
+    store = open_store(ctx, uri, local=local)
+    report = store.gc(dry_run=dry_run, older_than=older_than, tier=tier)
     data = {
         "uri": store.uri,
         "dry_run": dry_run,

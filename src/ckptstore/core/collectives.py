@@ -11,16 +11,24 @@ import torch.distributed as dist
 from ckptstore.errors import ConfigError
 
 T = TypeVar("T")
-_TIMED_GROUPS: dict[tuple[tuple[int, ...], float], dist.ProcessGroup] = {}
+_TIMED_GROUPS: dict[tuple[tuple[int, ...], float, str], dist.ProcessGroup] = {}
 
 
-def _timed_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup:
-    """A gloo group over ``group``'s ranks whose collectives give up after ``timeout`` s,
-    made once per process (every rank asks for it at the same point, as it must)."""
+def _timed_group(group: dist.ProcessGroup | None, timeout: float, use: str) -> dist.ProcessGroup:
+    """A gloo group over ``group``'s ranks whose collectives give up after ``timeout`` s, for
+    one ``use`` (peer copies run in a thread of their own: they never share a group with the
+    save's collectives), made once per process by the members only (every member asks for it
+    at the same point; ``use_local_synchronization``: the processes outside a subgroup need
+    not call, as torch otherwise requires of every process of the job)."""
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    key = (ranks, timeout)
+    key = (ranks, timeout, use)
     if key not in _TIMED_GROUPS:
-        made = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout), backend="gloo")
+        made = dist.new_group(
+            list(ranks),
+            timeout=timedelta(seconds=timeout),
+            backend="gloo",
+            use_local_synchronization=True,
+        )
         assert made is not None  # every rank of the group is a member
         _TIMED_GROUPS[key] = made
     return _TIMED_GROUPS[key]
@@ -34,13 +42,17 @@ class Collectives:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, *, timeout: float | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float | None = None,
+        use: str = "protocol",
     ) -> None:
         self.active = dist.is_available() and dist.is_initialized()
         if not self.active and group is not None:
             raise ConfigError("a process group was given, but torch.distributed is not initialized")
         if self.active and timeout is not None:
-            group = _timed_group(group, timeout)
+            group = _timed_group(group, timeout, use)
         self.group = group
         self.rank = dist.get_rank(group) if self.active else 0
         self.size = dist.get_world_size(group) if self.active else 1

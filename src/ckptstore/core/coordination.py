@@ -58,12 +58,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def not_saved(removal: str | None = None) -> str:
-    """What became of a step not saved, its staged files' ``removal`` (clean_up's) included."""
+def not_saved(removal: str | None = None, *, shared: str | None = None) -> str:
+    """What became of a step not saved, its staged files' ``removal`` (clean_up's) included;
+    ``shared``: the durable tier that the participants of a tiered save were copying their
+    files to, which each participant that hears of the failure clears of its own copies once
+    they end (node_tier.py); DCP's participants hear nothing, so ``gc`` removes theirs."""
+    if shared is not None:
+        tail = (f"; what a node was still copying to {shared} is removed by that node once it "
+                "hears of the failure, or else by `ckptstore gc` there")  # fmt: skip
+    else:
+        tail = ""
     if removal is None:
-        return "was not saved (nothing committed, staged files discarded)"
+        return f"was not saved (nothing committed, staged files discarded{tail})"
     return (f"was not saved (nothing committed; removing its staged files {removal}, "
-            "`ckptstore gc` removes what is left)")  # fmt: skip
+            f"`ckptstore gc` removes what is left{tail})")  # fmt: skip
 
 
 class SaveTarget(Protocol):
@@ -74,17 +82,27 @@ class SaveTarget(Protocol):
     remover: Remover
     incremental: bool
     save_timeout: float | None
+    node: str | None  # the node whose disk the store's staged files are on (Staged.node)
 
     @property
     def uri(self) -> str: ...
     def latest_step(self) -> int | None: ...  # the step not to fall behind, in any tier
-    def holds(self, step: int) -> bool: ...  # committed and readable in a tier of the store
+    def holder(self, step: int) -> str | None: ...  # the step's URI in a tier holding it
     def fences(self) -> Pointer | None: ...  # the pointer whose fences judge every tier
     def drain(self) -> None: ...
     def environment(self) -> Environment: ...
     def clock(self) -> float: ...
     def hold_lease(self) -> int: ...
     def ensure_lease(self) -> int: ...
+
+    def discard_save(self, step: int, save: str | None, attempts: set[str]) -> None:
+        """Remove what a save that will not be committed staged, in every tier (saving.py)."""
+        ...
+
+    def shares_to(self, plan: Plan) -> str | None:
+        """The durable tier the participants of ``plan`` copy their files to as they stage
+        them (a due step of a tiered store), or None (saving.py)."""
+        ...
 
     def due(self, step: int) -> bool:
         """Whether ``step``, once committed, is due for the durable tier (saving.py)."""
@@ -110,9 +128,10 @@ class Staged:
     participant: int | str
     entries: tuple[FileEntry, ...] = ()
     error: str | None = None
-    tier: str | None = None
-    """The URI of the participant's node-local tier, if any: the coordinator confirms only
-    the files staged where it sees them; each participant saw its own written whole."""
+    node: str | None = None
+    """The node the participant staged on: its store's local tier's node id (``store.node``,
+    tiers/identity.py), or None when it staged in the store itself. Not a path: every node
+    of a cluster may be given the same ``local=``, each on a disk of its own."""
 
     @classmethod
     def of(
@@ -120,12 +139,12 @@ class Staged:
         participant: int | str,
         stage: Callable[[], Iterable[FileEntry]],
         *,
-        tier: str | None = None,
+        node: str | None,
     ) -> Staged:
-        """Run ``stage`` (staging into ``tier``, when not the coordinator's store); never
-        raises (the failure is logged and reported as text)."""
+        """Run ``stage`` (staging on ``node``: ``store.node`` of the participant's store);
+        never raises (the failure is logged and reported as text)."""
         try:
-            return cls(participant, tuple(stage()), tier=tier)
+            return cls(participant, tuple(stage()), node=node)
         except Exception as e:
             return cls.failure(participant, e)
 
@@ -232,16 +251,26 @@ class Coordinator:
         failures = {r.participant: r.error for r in reports if r.error is not None}
         if failures:
             removal = self.discard(e.attempt for r in reports for e in r.entries if e.attempt)
-            raise self._failed(failures, not_saved(removal))
+            shared = self.saver.shares_to(self.plan)
+            raise self._failed(failures, not_saved(removal, shared=shared), discarded=True)
         entries = [e for r in reports for e in r.entries]
-        seen = [e for r in reports if r.tier in (None, self.saver.uri) for e in r.entries]
+        seen = [e for r in reports if self.sees(r) for e in r.entries]
         try:
             return self.commit(entries, world_size=world_size, confirm=seen)
         except Exception as e:
             log.exception("%s could not commit step %d", _label(coordinator), self.step)
             with self.running():  # a server that stopped answering: "may be committed"
-                what = self._what_became(_label(coordinator))
-            raise self._failed({coordinator: describe(e)}, what) from e
+                what, discarded = self._what_became(_label(coordinator))
+            raise self._failed({coordinator: describe(e)}, what, discarded=discarded) from e
+
+    def sees(self, report: Staged) -> bool:
+        """Whether ``report``'s files are where this coordinator can confirm them: staged in
+        the store it commits in, on its own node. Another node's files are on that node's
+        disk, which this process never reads (the same path here is another disk): the
+        participant wrote them whole (each write is checked as it is made), and a step due
+        for the durable tier is committed there only once every node's share is in it
+        (persister.py)."""
+        return report.node == self.saver.node
 
     def commit(
         self,
@@ -332,25 +361,30 @@ class Coordinator:
         attempt whose marker names this save), and nothing of a rival's save of the step; by
         the save's deadline, then in the background, so every participant learns the outcome in
         time. What became of the removal: :func:`~ckptstore.deadline.clean_up`'s answer."""
-        doomed, remover = set(attempts), self.saver.remover
+        doomed, saver = set(attempts), self.saver
         with self.running():
             return clean_up(
-                lambda: remover.discard_save(self.step, self.plan.save, doomed), self._files
+                lambda: saver.discard_save(self.step, self.plan.save, doomed), self._files
             )
 
     @property
     def _files(self) -> str:
         return f"the staged files of step {self.step} in {self.saver.uri}"
 
-    def _what_became(self, coordinator: str) -> str:
+    def _what_became(self, coordinator: str) -> tuple[str, bool]:
+        """What became of the step after a failed commit, and whether it is certainly not
+        committed (its staged files are being removed)."""
         try:
             committed = self.saver.catalog.state_of(self.step, fresh=True).committed
         except CheckpointError:
-            return f"failed on {coordinator} and may be committed (see `ckptstore ls`)"
-        return f"is committed, but {coordinator} failed after committing it" if committed else (
-            not_saved())  # fmt: skip
+            return f"failed on {coordinator} and may be committed (see `ckptstore ls`)", False
+        if committed:
+            return f"is committed, but {coordinator} failed after committing it", False
+        return not_saved(shared=self.saver.shares_to(self.plan)), True
 
-    def _failed(self, failures: Mapping[int | str, str], what: str) -> DistributedCheckpointError:
+    def _failed(
+        self, failures: Mapping[int | str, str], what: str, *, discarded: bool
+    ) -> DistributedCheckpointError:
         listed = "; ".join(f"{_label(p)}: {text}" for p, text in _ordered(failures))
         uri = self.saver.catalog.uri(layout.step_dir(self.step))
         return DistributedCheckpointError(
@@ -359,6 +393,7 @@ class Coordinator:
             uri=uri,
             step=self.step,
             path=layout.step_dir(self.step),
+            discarded=discarded,
         )
 
 
@@ -369,10 +404,11 @@ def check_not_behind(saver: SaveTarget, step: int, latest: int | None) -> None:
     ``advance_latest`` repairs it. A guard against mistakes, not a lock."""
     if latest is None or step >= latest:
         return
-    if not saver.holds(latest):
+    where = saver.holder(latest)
+    if where is None:
         return  # a pointer at a step deleted or unreadable: a resume fell back past it
     raise StepBehindLatestError(
-        f"{saver.uri}: refusing to save step {step}: latest is step {latest}, so step "
+        f"{saver.uri}: refusing to save step {step}: latest is step {latest} ({where}), so step "
         f"{step} would commit behind it and retention could delete it at once; nothing "
         "was uploaded. If this run continues the old one, resume first "
         "(`store.load()`, or `ckptstore.integrations.training.resume()`) and save the "

@@ -43,6 +43,7 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
     UntrustedCheckpointError,
+    bad_copy,
 )
 from ckptstore.protocol.catalog import Catalog, fenced
 from ckptstore.protocol.pointer import Pointer
@@ -235,7 +236,7 @@ class Resolver:
             except CorruptCheckpointError as e:
                 if not self.faster:
                     raise
-                log.warning("%s; trying the next tier", e)
+                log.warning("step %d: %s; trying the next tier", step, bad_copy(e))
         if not found:
             assert missing is not None
             raise missing
@@ -366,8 +367,8 @@ class Search:
         fallback, ends with this error)."""
         self._failures[info.step] = error
         if self.resolver.faster:
-            log.warning("step %d failed verification in %s (%s); trying the next copy",
-                        info.step, info.uri, error)  # fmt: skip
+            log.warning("step %d: its copy in %s failed verification (%s); trying the next "
+                        "copy", info.step, info.uri, bad_copy(error))  # fmt: skip
         elif self.fallback:
             log.warning("step %d failed verification (%s); trying an older step", info.step, error)
 

@@ -22,6 +22,7 @@ from ckptstore.core.resolver import Resolver
 from ckptstore.data.background import Abandon
 from ckptstore.data.payload import Progress, SourceFile, file_reader
 from ckptstore.data.transfer import scan_dir
+from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo, SaveStats
 from ckptstore.domain.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry
 from ckptstore.domain.plan import Plan
@@ -42,6 +43,8 @@ class Tiers(Protocol):
 
     def durable_holds(self, step: int) -> bool: ...
 
+    def durable_uri(self, path: str = "") -> str: ...
+
     def fences(self) -> Pointer | None: ...
 
     def decide(self, step: int) -> bool: ...
@@ -51,6 +54,8 @@ class Tiers(Protocol):
     def failed(self, step: int) -> None: ...
 
     def staged(self, plan: Plan, entries: Sequence[FileEntry]) -> None: ...
+
+    def abandon(self, step: int, attempts: set[str]) -> None: ...
 
 
 @dataclass
@@ -76,6 +81,9 @@ class Saver:
     tiers: Tiers | None = None
     """Set when this saver commits in the local tier of a store (tiers/local.py): a save must not
     fall behind the durable tier's latest either, and each commit is offered for persisting."""
+    node: str | None = None
+    """The node id of the local tier this saver commits in (``LocalTier.identity.node``);
+    None for a store that every participant writes to itself (coordination.py, ``Staged``)."""
     pointer_trusted: bool = field(default=False, init=False)
     """Whether :meth:`latest_step` may take ``latest.json`` at its word (module docstring)."""
 
@@ -112,11 +120,15 @@ class Saver:
         (a local tier has no lease, so a writer fenced there still commits: node_tier.py)."""
         return self.tiers.fences() if self.tiers is not None else self.catalog.pointer_or_none()
 
-    def holds(self, step: int) -> bool:
-        """Whether a tier of this store holds ``step`` committed and readable (fresh reads)."""
+    def holder(self, step: int) -> str | None:
+        """``step``'s URI in a tier of this store that holds it committed and readable
+        (fresh reads; this saver's tier first); ``None`` when none does."""
+        path = layout.step_dir(step)
         if self.catalog.state_of(step, fresh=True) is StepState.COMMITTED:
-            return True
-        return self.tiers is not None and self.tiers.durable_holds(step)
+            return self.catalog.uri(path)
+        if self.tiers is not None and self.tiers.durable_holds(step):
+            return self.tiers.durable_uri(path)
+        return None
 
     def advance_latest(self, step: int, *, epoch: int, newest_before: int | None) -> None:
         """Move ``latest`` to ``step``, just committed. The pointer is trusted after that only
@@ -138,6 +150,19 @@ class Saver:
         """A participant staged ``entries`` in the local tier (tiers/local.py)."""
         if self.tiers is not None:
             self.tiers.staged(plan, entries)
+
+    def shares_to(self, plan: Plan) -> str | None:
+        """The durable tier's URI if ``plan``'s participants copy their files there as they
+        stage them (a due step of a tiered store: node_tier.py), else None."""
+        return self.tiers.durable_uri() if self.tiers is not None and plan.due else None
+
+    def discard_save(self, step: int, save: str | None, attempts: set[str]) -> None:
+        """Remove what a coordinated save that will not be committed staged here (its
+        ``attempts`` and those whose marker names ``save``), and, in a tiered store, what
+        this process shared of it in the durable tier once its copies are done."""
+        self.remover.discard_save(step, save, attempts)
+        if self.tiers is not None:
+            self.tiers.abandon(step, attempts)
 
     def hold_lease(self) -> int:
         """Take or renew the writer lease (lease.py); the epoch, or 0 without leases. In a

@@ -106,6 +106,9 @@ class VerifyReport:
     """``checked`` (signed, and this store's key verified it), ``unsigned``, or
     ``not checked (no key)``: signed, but opened without the key, so an edited manifest
     cannot be told from the original; ``ok`` is then about the bytes only."""
+    tiers: tuple[str, ...] = ()
+    """The URIs of the tiers whose copies were checked (a store with a local tier checks
+    each tier's copy: protocol/maintenance.py)."""
 
     @property
     def ok(self) -> bool:

@@ -181,7 +181,7 @@ class CkptStoreWriter(StorageWriter):
             results.extend(file.results)
             return entries
 
-        staged = Staged.of(self.rank, stage, tier=self.store.local_uri)
+        staged = Staged.of(self.rank, stage, node=self.store.node)
         results.append(WriteResult(index=_MARKER, size_in_bytes=0, storage_data=staged))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -205,7 +205,11 @@ class CkptStoreWriter(StorageWriter):
         source = SourceFile(METADATA_FILE, lambda: iter((blob,)), len(blob))
         plan = coordinator.plan.among([METADATA_FILE])
         staged.append(
-            Staged.of("coordinator", lambda: self.store.stage_files(self.step, [source], plan=plan))
+            Staged.of(
+                "coordinator",
+                lambda: self.store.stage_files(self.step, [source], plan=plan),
+                node=self.store.node,
+            )
         )
         coordinator.conclude(staged, world_size=len(results))
 

@@ -143,7 +143,7 @@ def _save(
     local_error: Exception | None = None
     try:
         staged = tuple(_stage(store, plan, state, comm.rank, allow_pickle))
-        report = Staged(comm.rank, staged, tier=store.local_uri)
+        report = Staged(comm.rank, staged, node=store.node)
     except Exception as e:
         local_error, report = e, Staged.failure(comm.rank, e)
     try:
@@ -153,7 +153,8 @@ def _save(
             coordinator.discard()
         raise
     # 3. Rank 0 commits, or discards; everyone learns which, and each node commits it in its
-    # local tier too (tiers/local.py) and copies its files to the next rank's (peers.py), behind.
+    # local tier too (tiers/local.py) and copies its files to a rank on another node (peers.py),
+    # behind.
     outcome: CheckpointInfo | CheckpointError | None = None
     if coordinator is not None and reports is not None:
         try:
@@ -176,7 +177,7 @@ PEER_TIMEOUT = 600.0
 def _peer_comm(comm: Collectives) -> Collectives:
     """Collectives of a group of their own for peer copies, which run in a background thread
     beside the save's collectives (made once per process, by every rank at the same point)."""
-    return Collectives(comm.group if comm.active else None, timeout=PEER_TIMEOUT)
+    return Collectives(comm.group if comm.active else None, timeout=PEER_TIMEOUT, use="peers")
 
 
 def _settle_tiers(
@@ -187,19 +188,18 @@ def _settle_tiers(
     report: Staged,
 ) -> None:
     """With local tiers, after every rank learned the outcome: each other node commits the
-    step in its tier too and every node copies its files to the next rank's (behind the
-    save); or each other node drops what it staged (rank 0 discarded only what it sees)."""
+    step in its tier too and every rank copies its files to a rank on another node (behind the
+    save); or each rank drops what it staged of the failed step from both tiers, once its
+    copies to the durable tier are done (rank 0 discarded only what it sees)."""
     tiers = store.tiers
     if tiers is None:
         return
     node = tiers.node
     peers = _peer_comm(comm) if store.options.replicas else None  # every rank, every save
     if not isinstance(outcome, CheckpointInfo):
-        if comm.rank != 0:
-            node.local.remover.discard_attempts(
-                step, {e.attempt for e in report.entries if e.attempt}
-            )
-        return
+        if isinstance(outcome, DistributedCheckpointError) and outcome.discarded:
+            tiers.abandon(step, {e.attempt for e in report.entries if e.attempt})
+        return  # a step that may be committed keeps its files (gc judges them)
     if comm.rank != 0:
         node.join(outcome.manifest)
     if peers is not None:
@@ -249,10 +249,26 @@ def load_distributed(
     rank loads the step it offers. With no ``step`` and ``fallback``, a step that fails
     verification on any rank is skipped, on every rank, for the newest older one (as
     ``store.load`` does). ``store.last_loaded`` tells which step was loaded. Every rank loads
-    by the store's ``load_timeout``.
+    by the store's ``load_timeout``, and its collectives wait :data:`COLLECTIVE_MARGIN` seconds
+    longer at most (without one, the process group's own timeout); copies from peer nodes wait
+    :data:`PEER_TIMEOUT` at most.
     """
-    with store.resolver.loading():
-        return _load(store, Collectives(group), step, fallback, allow_pickle)
+    timeout = store.options.load_timeout
+    try:
+        comm = Collectives(group, timeout=None if timeout is None else timeout + COLLECTIVE_MARGIN)
+        with store.resolver.loading():
+            return _load(store, comm, step, fallback, allow_pickle)
+    except RuntimeError as e:  # a collective gave up waiting: a rank never reached it
+        waited = "the process group's timeout" if timeout is None else (
+            f"load_timeout {timeout:g} s + {COLLECTIVE_MARGIN:g} s")  # fmt: skip
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        raise DistributedCheckpointError(
+            f"{store.uri}: the load was abandoned: rank {rank} waited {waited} for the "
+            f"other ranks, and some never came ({e}); call load_distributed on every rank of "
+            "the group, or raise load_timeout if a rank's read takes longer",
+            {rank: describe(e)},
+            uri=store.uri,
+        ) from e
 
 
 def _load(

@@ -39,13 +39,14 @@ from dataclasses import replace
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from ckptstore.core.coordination import Coordinator
+from ckptstore.core.coordination import Coordinator, Staged
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import KIND_DIRECTORY
 from ckptstore.errors import (
     CheckpointError,
     ConfigError,
+    DistributedCheckpointError,
 )
 from ckptstore.integrations.verl_config import (
     SECTION,
@@ -193,7 +194,15 @@ class CkptstoreCallback:
                 log.info("ckptstore: deleted local steps %s on node %s", steps, node)
 
     def close(self) -> None:
-        """Release the writer lease (verl has no end-of-training hook; exit does this too)."""
+        """Make the newest step durable and release the writer lease (verl has no
+        end-of-training hook; exit does this too). With local tiers, every node's agent first
+        shares its files of the last step it staged, which the store's close waits for
+        (node_tier.py): an agent (a Ray actor) is never closed, so it would not otherwise."""
+        if self.store.tiers is not None and self._fleet is not None:
+            try:
+                self.fleet.call("share_last", {n: () for n in self.fleet.nodes()})
+            except (OSError, CheckpointError) as e:  # the store's close says what is missing
+                log.error("ckptstore: the nodes could not share their last step: %s", e)
         self.store.close()
 
 
@@ -230,10 +239,19 @@ def _commit_step(
         coordinator.discard()
         raise
     named = [replace(report, participant=f"node {node}") for node, report in reports.items()]
-    info = coordinator.conclude(named, world_size=world_size, coordinator="the driver")
+    try:
+        info = coordinator.conclude(named, world_size=world_size, coordinator="the driver")
+    except DistributedCheckpointError as e:
+        if store.tiers is not None and e.discarded:  # each node's copies leave the bucket too
+            fleet.call("abandon", {n: (step, _attempts(r)) for n, r in reports.items()})
+        raise
     if store.tiers is not None:  # every other node commits it in its local tier too
         fleet.call("join", {n: (info.manifest,) for n in nodes if n != fleet.driver})
     return info
+
+
+def _attempts(report: Staged) -> set[str]:
+    return {e.attempt for e in report.entries if e.attempt}
 
 
 def _verl_version() -> str | None:

@@ -107,7 +107,19 @@ class NodeAgent:
                 files.append(SourceFile(rel, _reader(path), path.stat().st_size))
             return self.store.stage_files(plan.step, files, plan=plan)
 
-        return Staged.of("node", stage, tier=self.store.local_uri)
+        return Staged.of("node", stage, node=self.store.node)
+
+    def abandon(self, step: int, attempts: set[str]) -> None:
+        """The driver's save of ``step`` failed: what this node staged of it (``attempts``)
+        leaves its local tier and the durable one once its copies are done (node_tier.py)."""
+        if self.store.tiers is not None:
+            self.store.tiers.abandon(step, attempts)
+
+    def share_last(self) -> None:
+        """At the job's end: copy this node's files of the last step it staged to the
+        durable tier, if that step was not due (the driver's close waits for them)."""
+        if self.store.tiers is not None:
+            self.store.tiers.node.share_last()
 
     def join(self, manifest: Manifest) -> None:
         """The driver committed ``manifest``: commit it in this node's local tier too (the

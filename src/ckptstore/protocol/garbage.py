@@ -95,7 +95,12 @@ class GarbageCollector:
         *,
         dry_run: bool,
         older_than: float,
+        lease_of: Backend | None = None,
+        held_elsewhere: frozenset[int] = frozenset(),
     ) -> None:
+        """``lease_of``: the backend whose writer lease guards this one's writes (a local
+        tier's is its store's durable tier; default this one); ``held_elsewhere``: steps
+        committed in another tier of the store, whose pins here are not stale."""
         self.catalog = catalog
         self.backend: Backend = catalog.backend
         self.remover = remover
@@ -103,7 +108,8 @@ class GarbageCollector:
         now = clock()
         self.older_than = older_than
         self.cutoff = now - older_than
-        self.lease = LeaseView.read(self.backend)
+        self.lease = LeaseView.read(lease_of if lease_of is not None else self.backend)
+        self.held_elsewhere = held_elsewhere
         # A tombstone keeps a late commit of the attempts it names out. It goes once the lease
         # proves their writers dead; a tombstone whose writers nothing can prove dead (a
         # store without leases) waits a day, whatever older_than says.
@@ -119,7 +125,7 @@ class GarbageCollector:
         pinned = {s for p in listing.pins if (s := _pinned_step(p.path)) is not None}
         for step in sorted(listing.steps):
             self._collect_step(step, listing.steps[step], step in pinned, found)
-        pins = self._stale_pins(listing.pins, found.committed)
+        pins = self._stale_pins(listing.pins, found.committed | self.held_elsewhere)
         kept = tuple(k + "/" for k in found.kept)
         partial = [  # an abandoned upload's writer gave up on it: dead, however young
             p

@@ -82,21 +82,38 @@ class Remover:
         delete that dies half-way leaves a tombstone and files that ``gc`` removes, never a
         half step. Removing the tombstone at once is safe here, unlike in :meth:`abort_step`:
         the files deleted belong to attempts that were committed, which nobody commits again."""
+        manifest = self.mark_uncommitted(step)
+        if manifest is not None:
+            self.finish_uncommit(manifest)
+
+    def finish_uncommit(self, manifest: Manifest) -> None:
+        """The second half of :meth:`uncommit`, once its tombstone stands: the files the
+        manifest lists (an adopted step's too, which have no attempt), the attempts'
+        markers, then the tombstone."""
+        step = manifest.step
+        attempts = {f.attempt for f in manifest.files if f.attempt is not None}
+        markers = {layout.attempt_marker_path(step, a) for a in attempts}
+        delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
+        self.drop_tombstone(step)
+
+    def mark_uncommitted(self, step: int) -> Manifest | None:
+        """The first half of :meth:`uncommit`: swap the manifest for a tombstone naming its
+        attempts, so the step is uncommitted from that instant and whoever finds the
+        tombstone (:meth:`roll_forward`, the next prune or gc) finishes the removal. Returns
+        the manifest swapped out; ``None`` when the step was not committed here."""
         path = layout.manifest_path(step)
         try:
             data, version = self.backend.read_versioned(path)
         except NotFoundError:
-            return
+            return None
         if is_tombstone(data):
-            return
+            return None
         manifest = Manifest.decode(data, where=self.catalog.uri(path))
         attempts = {f.attempt for f in manifest.files if f.attempt is not None}
         tombstone = encode_tombstone(self.writer, self.clock(), attempts, committed=True)
         self._swap(path, tombstone, version)
         self.catalog.forget(step)
-        markers = {layout.attempt_marker_path(step, a) for a in attempts}
-        delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
-        self.drop_tombstone(step)
+        return manifest
 
     def roll_forward(self, step: int) -> list[str] | None:
         """Finish an uncommit that died half-way (its tombstone stands): delete what is left

@@ -11,6 +11,14 @@ The first store that opens a local directory writes ``.ckptstore/tier.json`` the
   files are on this disk: the coordinator reads only what its own node staged, and peer copies
   go to a rank whose node id differs.
 * ``host``: the host name when the directory was claimed, for messages only.
+
+A directory written before identities (committed steps, no ``tier.json``) is claimed only
+where the store shows that it is its own: one of its steps is committed in the store as the
+same commit (same writer and time: the persist copies the manifest as it is). Claiming it
+blindly would let a run resume from another run's steps, the very leak identities stop;
+refusing every such directory would strand each run's local tier at the upgrade. A
+directory whose steps never reached the store is refused with the way to adopt them (copy
+them into the store first); one without committed steps is claimed.
 """
 
 from __future__ import annotations
@@ -20,9 +28,14 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from ckptstore.backends.base import Backend
 from ckptstore.domain.layout import META_DIR
-from ckptstore.errors import CorruptCheckpointError, ForeignTierError, ObjectExistsError
+from ckptstore.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    ForeignTierError,
+    ObjectExistsError,
+)
+from ckptstore.protocol.catalog import Catalog
 
 IDENTITY_NAME = f"{META_DIR}/tier.json"
 _SCHEMA = 1
@@ -57,17 +70,22 @@ class TierIdentity:
             ) from e
 
 
-def claim(backend: Backend, store: str) -> TierIdentity:
-    """The identity of the local tier at ``backend``: made for ``store`` if the directory has
-    none yet (create-only: of two processes of one node claiming at once, one writes and both
-    read the same), refused with :class:`ForeignTierError` if it serves another store."""
+def claim(local: Catalog, durable: Catalog) -> TierIdentity:
+    """The identity of the local tier ``local`` in front of ``durable``: made for it if the
+    directory has none yet (create-only: of two processes of one node claiming at once, one
+    writes and both read the same; a directory from before identities only as the module
+    docstring says), refused with :class:`ForeignTierError` if it serves another store."""
+    backend, store = local.backend, durable.backend.uri
     where = f"{backend.uri.rstrip('/')}/{IDENTITY_NAME}"
     mine = TierIdentity(store, uuid.uuid4().hex[:16], socket.gethostname())
     try:
-        backend.create(IDENTITY_NAME, mine.to_json())
-        return mine
+        if backend.stat(IDENTITY_NAME) is None:
+            _check_unclaimed(local, durable)
+            backend.create(IDENTITY_NAME, mine.to_json())
+            return mine
     except ObjectExistsError:
-        found = TierIdentity.from_json(backend.read(IDENTITY_NAME), where)
+        pass  # another process of this node claimed it first
+    found = TierIdentity.from_json(backend.read(IDENTITY_NAME), where)
     if found.store != store:
         raise ForeignTierError(
             f"local tier {backend.uri} belongs to the store {found.store} (claimed by host "
@@ -77,3 +95,29 @@ def claim(backend: Backend, store: str) -> TierIdentity:
             uri=backend.uri,
         )
     return found
+
+
+def _check_unclaimed(local: Catalog, durable: Catalog) -> None:
+    """Refuse a directory from before identities whose committed steps the store does not
+    hold as the same commit (the module docstring): they may be another run's."""
+    held, _ = local.scan()
+    if not held:
+        return
+    for manifest in sorted(held, key=lambda m: m.step, reverse=True):
+        try:
+            theirs = durable.read_manifest(manifest.step)
+        except CheckpointError:
+            continue  # not in the store (or unreadable there): no proof either way
+        if (theirs.writer, theirs.created) == (manifest.writer, manifest.created):
+            return
+    steps = ", ".join(str(m.step) for m in sorted(held, key=lambda m: m.step))
+    raise ForeignTierError(
+        f"local tier {local.backend.uri} holds committed steps {steps} but records no store "
+        f"(it was written before local tiers recorded theirs), and {durable.backend.uri} holds "
+        "none of them: they may be another run's, which this store would resume from. Give "
+        "this run a directory of its own (for example local=.../<run name>); if they are "
+        f"this store's steps that never reached it, copy them there first (`ckptstore "
+        f"replicate {local.backend.uri} {durable.backend.uri}`) and open it again; if nothing "
+        f"there is needed, remove {local.backend.uri}",
+        uri=local.backend.uri,
+    )

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from ckptstore.errors import (
     ConfigError,
     NotFoundError,
+    bad_copy,
 )
 from ckptstore.protocol.pruning import Pins
 
@@ -138,6 +139,9 @@ class LocalTier:
     pruner: Pruner
     identity: TierIdentity
     """The store this directory serves and the node it is on (identity.py)."""
+    retention: threading.Lock = field(default_factory=threading.Lock)
+    """Held while the local retention runs (after a commit, a persist, or a ``prune``): two
+    prunes of one tier would race on the same manifests."""
 
     @property
     def uri(self) -> str:
@@ -158,13 +162,14 @@ class TieredFiles:
         from ckptstore.core.resolver import VERIFY_ERRORS
 
         *faster, durable = self.tiers
-        for catalog in faster:
+        for index, catalog in enumerate(faster):
             try:
                 return catalog.read_verified(step, entry)
             except NotFoundError:
                 pass
             except VERIFY_ERRORS as e:
-                log.warning("%s; reading it from the next tier", e)
+                log.warning("step %d: %s; reading the file from %s", step, bad_copy(e),
+                            self.tiers[index + 1].backend.uri)  # fmt: skip
         return durable.read_verified(step, entry)
 
     def read_file(self, info: CheckpointInfo, path: str) -> memoryview:

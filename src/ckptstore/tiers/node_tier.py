@@ -21,13 +21,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError, ConflictError
+from ckptstore.protocol.catalog import StepState
 from ckptstore.tiers.local import DEFAULT_LOCAL_KEEP_LAST, LocalTier
 
 if TYPE_CHECKING:
     from ckptstore.core.saving import Saver
     from ckptstore.domain.manifest import FileEntry, Manifest
     from ckptstore.domain.plan import Plan
+    from ckptstore.tiers.peers import PeerLayout
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +59,13 @@ class NodeTier:
         self._sharing: dict[int, set[str]] = {}
         """Keys of the files this process copies as its shares, by step (:meth:`share`)."""
         self._copying: set[int] = set()
+        self._in_flight: dict[int, list[Future[None]]] = {}
+        """This process's shares by step, until they end (:meth:`abandon` waits for them)."""
         self._shares = ThreadPoolExecutor(1, thread_name_prefix="ckpt-share")
         self._peers = ThreadPoolExecutor(1, thread_name_prefix="ckpt-peer")
         self._pending: list[Future[None]] = []
+        self.peer_layout: PeerLayout | None = None
+        """Which node each rank is on, gathered at the first peer copy (peers.py)."""
 
     def sharing(self, step: int) -> set[str]:
         """Keys of ``step``'s files this process shares (the persist need not copy them)."""
@@ -81,8 +88,6 @@ class NodeTier:
         """Commit ``manifest`` in this node's local tier if it lacks it (its files may be
         here, at a peer's, or in the durable tier: reads find each one) and move the local
         ``latest`` forward to it."""
-        from ckptstore.protocol.catalog import StepState
-
         if self.local.catalog.state_of(manifest.step, fresh=True) is StepState.ABSENT:
             # another rank of this node may commit it first: the same manifest
             with contextlib.suppress(ConflictError):
@@ -118,25 +123,64 @@ class NodeTier:
             self._sharing.setdefault(step, set()).update(e.key(step) for e in entries)
             self._copying.add(step)
             self.local.pins.hold(step)
-            self._pending.append(self._shares.submit(self._share, plan, tuple(entries)))
+            future = self._shares.submit(self._share, plan, tuple(entries))
+            self._pending.append(future)
+            self._in_flight.setdefault(step, []).append(future)
 
     def _share(self, plan: Plan, entries: tuple[FileEntry, ...]) -> None:
         from ckptstore.data.copying import FileCopier
 
         step = plan.step
         durable = self.durable
+        attempts = {e.attempt for e in entries if e.attempt is not None}
         try:
-            for attempt in sorted({e.attempt for e in entries if e.attempt is not None}):
+            for attempt in sorted(attempts):
                 durable.committer.begin_attempt(step, plan.epoch, attempt, save=plan.save)
             FileCopier(self.local.catalog.backend, durable.catalog.backend).copy_files(
                 step, entries
             )
         except CheckpointError as e:
-            self._failed(step, e)
+            if not self._withdrawn(step, attempts):
+                self._failed(step, e)
+                return
+            log.info("%s: step %d was not saved (its staged files on this node were removed "
+                     "as this process copied them); removing its copies from %s",
+                     self.local.uri, step, durable.uri)  # fmt: skip
+            durable.remover.discard_attempts(step, attempts)
         finally:
             with self._lock:
                 self._copying.discard(step)
+                self._in_flight.pop(step, None)
                 self.local.pins.release(step)
+
+    def abandon(self, step: int, attempts: set[str]) -> None:
+        """A coordinated save of ``step`` that this process staged ``attempts`` of failed:
+        wait for its shares of the step (they run behind the staging), then remove those
+        attempts from the durable tier and from this node's local tier, so a failed save
+        leaves nothing of this node in the bucket. A removal that fails is logged; ``gc``
+        removes what is left (the attempt markers name the save)."""
+        with self._lock:
+            waiting = list(self._in_flight.get(step, ()))
+            self._staged.pop(step, None)
+            shared = self._sharing.pop(step, None)
+        for future in waiting:
+            with contextlib.suppress(Exception):  # a failed share went to ``failed``
+                future.result()
+        if shared:
+            self.durable.remover.discard_attempts(step, attempts)
+        self.local.remover.discard_attempts(step, attempts)
+
+    def _withdrawn(self, step: int, attempts: set[str]) -> bool:
+        """Whether a coordinator discarded the save of ``step`` on this node while this
+        process copied ``attempts`` of it (DCP tells its participants nothing): a tombstone
+        claims the step in this node's tier (it comes before any file is removed), or the
+        attempts' markers, removed last, are gone."""
+        if self.local.catalog.state_of(step, fresh=True) is StepState.REMOVING:
+            return True
+        backend = self.local.catalog.backend
+        return bool(attempts) and all(
+            backend.stat(layout.attempt_marker_path(step, a)) is None for a in attempts
+        )
 
     def to_peer(self, step: int, copy: Callable[[], None]) -> None:
         """Run ``copy`` (peers.py: this node's files of ``step`` to a peer node) in the

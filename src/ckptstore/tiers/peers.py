@@ -3,32 +3,35 @@
 A local tier (tiers/local.py) makes saves fast, but a node that is lost takes its local steps with
 it; only the durable tier, which may lag by ``persist_every`` saves, is left. As Gemini and
 NVIDIA's resiliency extension do, each rank of ``save_distributed`` also sends the files it
-staged to the next rank (``(r + 1) % world``), which writes them into its own node's local
-tier under the same keys. A job that lost one node resumes from the copies its peer holds and
-reads from the bucket only what no peer holds.
+staged to a rank on another node, which writes them into its own node's local tier under the
+same keys. A job that lost one node resumes from the copies its peers hold and reads from the
+bucket only what no peer holds.
+
+Peers are chosen by node, not by rank number: with several ranks per node, rank r + 1 is
+usually on r's own node, and a lost node would take both copies. Every rank's node id (the
+local tier's identity, tiers/identity.py: one per disk, whatever the path) is gathered once per
+store; nodes are numbered in the order of their first rank, and the j-th rank of node i sends
+to the j-th rank (modulo its count) of node i + 1. On one node no peer copy is possible: the
+store says so once and sends nothing.
 
 Both halves are collectives: every rank calls them at the same point, whatever happened
-locally (a rank with nothing to send sends an empty list), so a failure never leaves a peer
-waiting. Each rank first tells its receiver which files come (keys and sizes, a small object
-message; even ranks send first, so a ring of any size cannot deadlock), then every file
-travels as a raw byte tensor, read straight into it, with all sends and receives posted at
-once. What arrives is written as it came and checked when read: every read verifies the bytes
-against the manifest (a peer's copy is never trusted for being a peer's).
+locally, and the files travel in chunks read from and written to disk as they go
+(peer_stream.py), in bounded memory. A rank whose read fails still takes part in every
+transfer, sending filler that its receiver drops, so the copies of the next step are paired as
+before. What arrives is checked twice: the sender checks what it reads against the manifest,
+and every later read checks it again (a peer's copy is never trusted for being a peer's).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from ckptstore.errors import CheckpointError
+from ckptstore.tiers.peer_stream import Outgoing, exchange
 
 if TYPE_CHECKING:
-    from ckptstore.backends.base import Backend
     from ckptstore.core.collectives import Collectives
     from ckptstore.domain.info import CheckpointInfo
     from ckptstore.domain.manifest import FileEntry
@@ -36,98 +39,97 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Files = list[tuple[str, torch.Tensor]]
-"""Object keys in the local tier and their bytes, as uint8 tensors."""
+
+@dataclass(frozen=True)
+class PeerLayout:
+    """Which node each rank of a group is on, and so where its copies go."""
+
+    nodes: tuple[str, ...]
+    """The node id of each group rank."""
+
+    def groups(self) -> list[list[int]]:
+        """The ranks of each node, nodes in the order of their first rank."""
+        by_node: dict[str, list[int]] = {}
+        for rank, node in enumerate(self.nodes):
+            by_node.setdefault(node, []).append(rank)
+        return list(by_node.values())
+
+    def target(self, rank: int) -> int | None:
+        """The rank that holds ``rank``'s copies: on the next node, the rank at the same
+        position (modulo that node's count); None if every rank is on one node."""
+        groups = self.groups()
+        if len(groups) < 2:
+            return None
+        here = next(i for i, ranks in enumerate(groups) if rank in ranks)
+        there = groups[(here + 1) % len(groups)]
+        return there[groups[here].index(rank) % len(there)]
+
+
+def peer_layout(comm: Collectives, node: NodeTier) -> PeerLayout:
+    """The group's layout, gathered at the first peer copy of this store (every rank's first
+    peer copy is the same collective) and kept."""
+    if node.peer_layout is None:
+        layout = PeerLayout(tuple(comm.all_gather(node.local.identity.node)))
+        if layout.target(comm.rank) is None and comm.rank == 0:
+            log.warning("%s: all %d ranks are on one node (node id %s): no peer copy is "
+                        "possible, and a lost node resumes from the durable tier (replicas=1 "
+                        "needs ranks on two nodes or more)", node.local.uri, comm.size,
+                        layout.nodes[0])  # fmt: skip
+        node.peer_layout = layout
+    return node.peer_layout
 
 
 def send_to_peer(comm: Collectives, node: NodeTier, step: int, staged: Sequence[FileEntry]) -> None:
-    """Save side: send the files this rank staged for ``step`` to the next rank, and write
-    those the previous rank staged into this node's local tier. Every rank calls it."""
+    """Save side: send the files this rank staged for ``step`` to its peer on another node,
+    and write those its peers send into this node's local tier. Every rank calls it."""
     if comm.size == 1:
         return
+    target = peer_layout(comm, node).target(comm.rank)
+    if target is None:  # every rank knows it: none takes part
+        return
     backend = node.local.catalog.backend
-    mine = [(e.key(step), _read(backend, e.key(step), e.size)) for e in staged]
-    for key, data in _exchange(comm, mine, to=_next(comm), source=_previous(comm)):
-        backend.write(key, [_bytes(data)])
+    got = exchange(comm, backend, {target: [Outgoing(step, e) for e in staged]})
+    for source, keys in got.missed.items():
+        log.warning("%s: %d of rank %d's files of step %d did not arrive (%s...): this node "
+                    "holds no copy of them, and if rank %d's node is lost, they are read from "
+                    "the durable tier, or an older step is loaded", node.local.uri, len(keys),
+                    source, step, keys[0], source)  # fmt: skip
 
 
 def recover_from_peer(
     comm: Collectives, node: NodeTier, info: CheckpointInfo, paths: Sequence[str]
 ) -> int:
     """Load side: the files of ``paths`` (this rank's part of ``info``'s step) that this
-    node's local tier lacks or holds with another size (one listing) are asked of the next
-    rank, whose node holds this rank's peer copies, and written into this node's local tier.
-    A peer sends only copies that pass their check. Every rank calls it; returns how many
-    files this rank recovered."""
+    node's local tier lacks or holds with another size (one listing) are asked of the ranks
+    whose node holds them, and written into this node's local tier. A holder sends only
+    copies that pass their check. Every rank calls it; returns how many files this rank
+    recovered."""
     if comm.size == 1:
         return 0
     local = node.local.catalog
     step = info.step
     here = local.payload_sizes(step)
-    wanted = [p for p in paths if here.get(_entry(info, p).key(step)) != _entry(info, p).size]
-    asks = comm.all_gather(wanted)
-    answer: Files = []
-    for path in asks[_previous(comm)]:  # the previous rank's copies are on this node
-        entry = _entry(info, path)
-        try:
-            data = local.read_verified(step, entry)
-        except CheckpointError as e:
-            log.warning("%s; not sent to rank %d", e, _previous(comm))
-            continue
-        answer.append((entry.key(step), torch.frombuffer(bytearray(data), dtype=torch.uint8)))
-    received = _exchange(comm, answer, to=_previous(comm), source=_next(comm))
-    for key, tensor in received:
-        local.backend.write(key, [_bytes(tensor)])
+
+    def held(path: str) -> bool:
+        entry = info.manifest.file(path)
+        return here.get(entry.key(step)) == entry.size
+
+    wanted = [p for p in paths if not held(p)]
+    asks: list[list[str]] = comm.all_gather(wanted)
+    if not any(asks):  # every rank knows it: nothing to exchange
+        return 0
+    asked = sorted({p for paths_of_rank in asks for p in paths_of_rank})
+    holders: list[list[str]] = comm.all_gather([p for p in asked if held(p)])
+    have = [set(paths_held) for paths_held in holders]
+    outgoing: dict[int, list[Outgoing]] = {}
+    for asker, paths_asked in enumerate(asks):
+        for path in paths_asked:
+            can = [r for r, paths_held in enumerate(have) if r != asker and path in paths_held]
+            if can and can[asker % len(can)] == comm.rank:  # spread the askers over holders
+                outgoing.setdefault(asker, []).append(Outgoing(step, info.manifest.file(path)))
+    got = exchange(comm, local.backend, outgoing)
     if wanted:
-        log.warning("%s: %d of %d files of step %d were missing here; %d came from rank %d, "
-                    "the peer holding their copies; any other is read from the durable tier",
-                    local.backend.uri, len(wanted), len(paths), step, len(received),
-                    _next(comm))  # fmt: skip
-    return len(received)
-
-
-def _entry(info: CheckpointInfo, path: str) -> FileEntry:
-    return info.manifest.file(path)
-
-
-def _read(backend: Backend, key: str, size: int) -> torch.Tensor:
-    """A file read straight into a uint8 tensor (no second copy)."""
-    out = torch.empty(size, dtype=torch.uint8)
-    if size:
-        backend.read_into(key, _bytes(out))
-    return out
-
-
-def _bytes(data: torch.Tensor) -> memoryview:
-    """A uint8 tensor's memory, shared."""
-    return memoryview(data.numpy())  # type: ignore[arg-type]
-
-
-def _exchange(comm: Collectives, outgoing: Files, *, to: int, source: int) -> Files:
-    """Send ``outgoing`` to group rank ``to`` and receive what group rank ``source`` sends:
-    first the keys and sizes (even ranks send first, odd ranks receive first, so no ring
-    waits on itself), then every file at once."""
-    sizes = [(key, data.numel()) for key, data in outgoing]
-    if comm.rank % 2 == 0:
-        comm.send(sizes, to)
-        incoming: list[tuple[str, int]] = comm.receive(source)
-    else:
-        incoming = comm.receive(source)
-        comm.send(sizes, to)
-    received = [(key, torch.empty(size, dtype=torch.uint8)) for key, size in incoming]
-    ops = [dist.P2POp(dist.isend, data, comm.global_rank(to), comm.group)
-           for _, data in outgoing if data.numel()]  # fmt: skip
-    ops += [dist.P2POp(dist.irecv, data, comm.global_rank(source), comm.group)
-            for _, data in received if data.numel()]  # fmt: skip
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    return received
-
-
-def _next(comm: Collectives) -> int:
-    return (comm.rank + 1) % comm.size
-
-
-def _previous(comm: Collectives) -> int:
-    return (comm.rank - 1) % comm.size
+        log.warning("%s: %d of %d files of step %d were missing here; %d came from the "
+                    "peers holding their copies; any other is read from the durable tier",
+                    local.backend.uri, len(wanted), len(paths), step, got.count())  # fmt: skip
+    return got.count()

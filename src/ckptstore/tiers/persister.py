@@ -24,8 +24,8 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 from ckptstore.core.coordination import Coordinator
 from ckptstore.core.observer import PersistStats, SaveObserver, TierObserver
@@ -193,13 +193,13 @@ class Persister:
         self._decided: dict[int, bool] = {}
         self._durable_latest: int | None = None
         self._durable_known = False
+        self._dropped: set[int] = set()
         self._started = False
         self._closing = threading.Event()
         """Set when ``close`` begins: copies waiting out an outage try once more now."""
         self._close_deadline: Deadline | None = None
         """close's deadline (``save_timeout`` from its start): every try runs by it."""
         self._lock = threading.Lock()
-        self._retention = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         self._pending: list[Future[None]] = []
         self.node = NodeTier(local, durable, failed=self._failed, retain=self.retain_local)
@@ -277,7 +277,7 @@ class Persister:
     def retain_local(self) -> None:
         """Apply the local tier's retention, after a local commit or a persist (one at a
         time: two prunes of one tier would race on the same manifests)."""
-        with self._retention:
+        with self.local.retention:
             self.local.pruner.after_save()
 
     def failed(self, step: int) -> None:
@@ -299,22 +299,61 @@ class Persister:
         """A participant staged ``entries`` in this node's tier (node_tier.py)."""
         self.node.staged(plan, entries)
 
+    def durable_uri(self, path: str = "") -> str:
+        """``path``'s URI in the durable tier (its root's without one)."""
+        return self.durable.catalog.uri(path)
+
+    def abandon(self, step: int, attempts: set[str]) -> None:
+        """A coordinated save of ``step`` failed: what this process staged of it leaves both
+        tiers once its shares are done (node_tier.py). A share that failed meanwhile (the
+        coordinator removed the step's files on this node) is no persist failure: the step
+        was never committed, so ``wait`` does not raise it."""
+        self.node.abandon(step, attempts)
+        with self._lock:
+            self._failures.pop(step, None)
+
     def durable_holds(self, step: int) -> bool:
         """Whether the durable tier holds ``step`` committed and readable (a fresh read)."""
         return self.durable.catalog.state_of(step, fresh=True) is StepState.COMMITTED
 
     # -- persisting --------------------------------------------------------------------------
 
+    def drop(self, step: int) -> None:
+        """``step`` is being deleted from the store (protocol/maintenance.py): no copy of it
+        runs once this returns (a queued one is skipped, the one in flight waited for), a
+        failure of its copy is no longer news, and the durable tier's latest is read again
+        at the next save. A later save of the step is persisted as any other."""
+        with self._lock:
+            self._dropped.add(step)
+        with contextlib.suppress(RuntimeError):  # closed: no copy can run
+            self._pool.submit(_nothing).result()
+        with self._lock:
+            self._failures.pop(step, None)
+            self._durable_known, self._durable_latest = False, None
+
+    def pending(self, step: int) -> bool:
+        """Whether ``step`` is on its way to the durable tier from this process, or its copy
+        failed and is not superseded: its local pin must stay (protocol/maintenance.py)."""
+        with self._lock:
+            if step in self._copying or step in self._failures:
+                return True
+        return step in self.node.copying()
+
     def queue(self, step: int) -> None:
         """Pin ``step`` in the local tier (retention keeps it) and persist it in the
         background."""
         self.local.pins.add(step)
         with self._lock:
+            self._dropped.discard(step)
             self._copying.add(step)
             self._pending.append(self._pool.submit(self._persist, step))
 
     def _persist(self, step: int) -> None:
         started = self.clock()
+        with self._lock:
+            if step in self._dropped:  # deleted while it waited: nothing to copy
+                self._copying.discard(step)
+                return
         try:
             if not self._persist_waiting_out(step):
                 return
@@ -366,9 +405,10 @@ class Persister:
     def _waits_out(self, step: int, error: CheckpointError) -> bool:
         """Whether a persist of ``step`` that failed with ``error`` is tried again: the bucket
         not answering (a storage error that retrying may cure, a deadline, the lease in doubt;
-        not a takeover, a refusal, a conflict or a missing file), while no later step is queued behind it (that one carries
-        on: it supersedes this one once durable), and while close's deadline allows (a
-        ``close`` without ``save_timeout`` tries once more, then reports)."""
+        not a takeover, a refusal, a conflict or a missing file), while no later step is
+        queued behind it (that one carries on: it supersedes this one once durable), and while
+        close's deadline allows (a ``close`` without ``save_timeout`` tries once more, then
+        reports)."""
         lease = self.durable.lease
         if isinstance(error, FencedError):
             if lease is None or lease.lost is not None or lease.unconfirmed() is None:
@@ -451,6 +491,8 @@ class Persister:
         :data:`CLOSE_SLACK` for a copy in flight to stop, it returns whatever the bucket does,
         raising a SaveTimeoutError that names the steps left in the local tier only (pinned:
         the next writer on this node persists them). Else it raises as :meth:`wait` does."""
+        if self._closing.is_set():
+            return  # closed already (its threads are stopped): a second close does nothing
         deadline = current_deadline()
         with self._lock:
             self._close_deadline = deadline
@@ -499,8 +541,16 @@ class Persister:
         did not finish."""
         with self._lock:
             pending = list(self._pending)
-        timeout = None if deadline is None else deadline.remaining() + CLOSE_SLACK
-        return wait_for(pending, timeout=timeout).not_done
+        end = None if deadline is None else time.monotonic() + deadline.remaining() + CLOSE_SLACK
+        unfinished = set()
+        for future in pending:  # each waited for by its own call: a pool may run it then
+            try:
+                future.exception(None if end is None else max(0.0, end - time.monotonic()))
+            except FuturesTimeout:
+                unfinished.add(future)
+            except CancelledError:
+                pass
+        return unfinished
 
     def _not_durable(self, why: str) -> SaveTimeoutError:
         """The error of a close that could not make every due step durable in time."""
@@ -527,6 +577,10 @@ class Persister:
     def fences(self) -> Pointer | None:
         """The durable tier's pointer: its fences judge the steps of both tiers."""
         return self.durable.catalog.pointer_or_none()
+
+
+def _nothing() -> None:
+    """A task for the copier's queue: once it ran, every copy queued before it has ended."""
 
 
 def _newer(a: int | None, b: int | None) -> int | None:
