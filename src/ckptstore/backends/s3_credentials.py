@@ -21,8 +21,8 @@ however many requests it refused at once.
 botocore has no public call for "refresh now"; :meth:`Renewal.renew` uses the refreshable
 object's refresh lock and its ``_protected_refresh``, the same steps its mandatory refresh
 takes, and :meth:`Renewal.key` its current keys (``_frozen_credentials``), read without
-starting a refresh. Where they are missing (static keys, a botocore that renamed them) nothing is renewed:
-the request fails with AccessDeniedError naming the expired token, as before.
+starting a refresh. Where they are missing (static keys, a botocore that renamed them),
+nothing is renewed: the request fails with AccessDeniedError naming the expired token.
 """
 
 from __future__ import annotations
