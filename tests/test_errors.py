@@ -288,7 +288,7 @@ def test_a_lease_conflict_carries_the_lease_uri(tmp_path: Path) -> None:
     with pytest.raises(LeaseHeldError) as caught:
         _lease(backend, "there").hold()
     _located(caught.value, backend, LEASE_NAME)
-    assert str(caught.value).startswith(f"{backend.uri} is being written by here:4242:abc")
+    assert str(caught.value).startswith(f"{backend.uri} is being written by writer here:4242:abc")
     # taken over: the old holder is fenced, and says where
     _lease(backend, "third", takeover=True).hold()
     with pytest.raises(FencedError) as fenced:

@@ -60,6 +60,7 @@ from ckptstore.backends.base import (
     PartialWrite,
     error_context,
 )
+from ckptstore.backends.s3_credentials import Renewal
 from ckptstore.backends.s3_errors import is_not_found
 from ckptstore.backends.s3_leftovers import Leftovers
 from ckptstore.backends.s3_namespace import Namespace
@@ -100,6 +101,7 @@ class S3Backend(BaseBackend):
         )
         retrier = self._transfers.retrier  # a mute endpoint fails in first_byte_timeout
         retrier.first_byte_timeout = self._opts.first_byte_timeout
+        retrier.renewal = Renewal(self._client)  # an expired key is renewed, then retried
         if self._owns_client:  # an answer counts from its headers; injected clients: from its end
             retrier.connect_timeout = self._client.meta.config.connect_timeout
             self._client.meta.events.register("before-parse.s3", retrier.heard)

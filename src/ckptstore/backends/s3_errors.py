@@ -53,8 +53,21 @@ DENIED = frozenset(
         "TokenRefreshRequired",
         "AllAccessDisabled",
         "AccountProblem",
+        "RequestExpired",
+        "ExpiredTokenException",
     ]
 )
+EXPIRED = frozenset(
+    [
+        "ExpiredToken",
+        "ExpiredTokenException",
+        "RequestExpired",
+        "InvalidToken",
+        "TokenRefreshRequired",
+    ]
+)
+"""The key the request was signed with expired (or the token was replaced): renew the
+credentials and retry (s3_retry.py, s3_credentials.py); past the renewals, access denied."""
 CONFLICT = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
 RETRYABLE = frozenset(
     [
@@ -217,6 +230,15 @@ def error_for(
         )
     if code in NOT_FOUND or status == 404:
         return NotFoundError(f"{target} does not exist (while trying to {action} it)", **where)
+    if code in EXPIRED:
+        return AccessDeniedError(
+            f"{target}: the server refused the AWS credentials as expired ({code}) while "
+            f"trying to {action} it, and renewing them from their source did not help: check "
+            "the credential source (the profile's credential_process or role, the web "
+            "identity token file, the container endpoint) and this machine's clock; static "
+            "keys (storage options key/secret/token, AWS_ACCESS_KEY_ID) cannot be renewed",
+            **where,
+        )
     if code in DENIED or status == 403:
         return AccessDeniedError(
             f"access denied to {action} {target}{detail}: check the credentials boto3 uses "

@@ -45,6 +45,12 @@ is cancelled (it stops at its next block, :mod:`.s3_progress`) and the caller ra
 (the threads: :mod:`.s3_helpers`). Attempts already on the transfer pool (parts, ranged reads)
 run in place: whoever waits for them waits with the deadline.
 
+Why an expired key is retried: temporary credentials expire mid-save, and a server may refuse
+a key before the expiry its source announced. An answer in
+:data:`~ckptstore.backends.s3_errors.EXPIRED` (or a HEAD's bare 400, which carries no code)
+renews the credentials (:mod:`.s3_credentials`) and retries the request at once, up to
+:data:`RENEWALS` times in a row; a multipart upload is never aborted for it.
+
 Errors are classified by type, S3 error code and HTTP status, never by message text.
 """
 
@@ -73,7 +79,8 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 
-from ckptstore.backends.s3_errors import NoAnswer, code_of, is_unsupported, status_of
+from ckptstore.backends.s3_credentials import Renewal
+from ckptstore.backends.s3_errors import EXPIRED, NoAnswer, code_of, is_unsupported, status_of
 from ckptstore.backends.s3_helpers import Helpers, in_context, on_worker
 from ckptstore.backends.s3_options import DEFAULT_FIRST_BYTE_TIMEOUT
 from ckptstore.backends.s3_progress import Cancelled, Progress, Stalled, cause
@@ -104,6 +111,10 @@ FIRST_CONTACT_WAKE = 0.25
 """Seconds between looks at an attempt on an endpoint that has not answered yet: whether it
 answered meanwhile, or moves bytes (then it is no longer held to ``first_byte_timeout``)."""
 
+RENEWALS = 3
+"""Renewals of the credentials in a row for one request: a source that keeps handing out keys
+the server refuses is a configuration problem (AccessDeniedError names the token)."""
+
 HELPERS = 64
 """Helper threads per backend for attempts waited for with a timeout (made as needed)."""
 
@@ -112,6 +123,7 @@ class Kind(enum.Enum):
     THROTTLED = "throttled"  # SlowDown: lowers the shared rate, and this request backs off
     TRANSIENT = "transient"  # a 5xx, reset, timeout, stall, broken body: this request backs off
     UNREACHABLE = "unreachable"  # no connection at all
+    EXPIRED = "expired"  # the key expired: renew the credentials, retry at once
     CANCELLED = "cancelled"
     FATAL = "fatal"
 
@@ -146,6 +158,8 @@ def classify(e: BaseException) -> Kind:
         code, status = code_of(e), status_of(e)
         if is_unsupported(e):  # 501 NotImplemented: no time heals that
             return Kind.FATAL
+        if code in EXPIRED or (status == 400 and code == "400"):  # a HEAD's 400 has no code
+            return Kind.EXPIRED
         if code in THROTTLING or status in (429, 503):
             return Kind.THROTTLED
         return Kind.TRANSIENT if code in TRANSIENT_CODES or status >= 500 else Kind.FATAL
@@ -206,6 +220,8 @@ class Retrier:
         """Seconds a request to an endpoint that never answered may go without an answer."""
         self.connect_timeout = connect_timeout
         """The client's connect timeout, if known: an attempt silent for longer got connected."""
+        self.renewal: Renewal | None = None
+        """The client's credentials, renewed on an expired key (None: never renewed)."""
         self._clock = clock
         self._rng = rng
         self._helpers: Helpers | None = None
@@ -231,11 +247,12 @@ class Retrier:
         """
         deadline = current_deadline()
         started = self._clock()
-        failures = 0
+        failures = renewals = 0
         failed: Exception | None = None  # the last attempt's error
         while True:
             self._pace(deadline, progress)
             round_ = self.rate.round()
+            signed = self.renewal.key() if self.renewal is not None else None
             try:
                 result = self._attempt(attempt, deadline, progress, (started, failed))
             except NoAnswer:
@@ -248,6 +265,15 @@ class Retrier:
                     raise
                 if isinstance(e, ClientError):
                     self.rate.answered = True  # any HTTP status is an answer
+                if kind is Kind.EXPIRED:
+                    renewals += 1
+                    renewal = self.renewal
+                    if renewal is None or renewals > RENEWALS or not renewal.renew(signed):
+                        raise
+                    progress.last_error = describe(e, op)
+                    logger.debug("%s %s: %s; retrying with new credentials", op,
+                                 progress.target, progress.last_error)  # fmt: skip
+                    continue
                 if kind is Kind.FATAL:
                     if isinstance(e, ClientError):
                         self.rate.succeeded()  # the server answered, and not throttling

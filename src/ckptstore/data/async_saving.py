@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.core.coordination import check_not_behind
 from ckptstore.core.saving import Saver
 from ckptstore.data.background import Abandon, BackgroundSaver, SaveHandle
+from ckptstore.deadline import Deadline, bounded
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import KIND_STATE, check_metadata
 
@@ -57,11 +58,15 @@ class AsyncSaver:
         A step behind ``latest`` is refused here, in the caller, before the snapshot. Once
         this store has committed a step and saves a later one, the call reads nothing (a GET
         less in the loop's time): a rival that moved ``latest`` past it meanwhile is then
-        refused by the background save, before anything is uploaded, as a rerun is."""
+        refused by the background save, before anything is uploaded, as a rerun is. That read
+        runs under the store's ``save_timeout`` too: a storage that does not answer fails the
+        call with SaveTimeoutError by then, instead of holding the training loop for as long as
+        the retries last."""
         user_metadata = check_metadata(metadata)
         self.drain()
         if not allow_older and (self.committed is None or step <= self.committed):
-            check_not_behind(writer, step, writer.latest_step())
+            with bounded(Deadline.of(writer.save_timeout)):
+                check_not_behind(writer, step, writer.latest_step())
         started = time.perf_counter()
         from ckptstore.data.serialize import encode_state
         from ckptstore.data.snapshot import Snapshotter, UpdateGuard, deferral

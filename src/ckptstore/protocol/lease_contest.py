@@ -15,6 +15,11 @@ first:
    a live holder fails within about one heartbeat; a dead holder's replacement waits at most
    one TTL.
 
+A save that cannot take the lease within its deadline (``save_timeout``) fails at once, naming
+the holder (writer id, host, pid, since when, how long until its lease expires) and what to do
+(``takeover=True``, or save again once it expired): it neither watches past the deadline nor
+sleeps past it. Without a deadline it watches for as long as the judgement takes (one TTL).
+
 The holder gives up by its own monotonic clock after the same TTL without a renewal (lease.py),
 so whoever judges it gone by watching cannot be earlier than the holder itself.
 """
@@ -23,10 +28,12 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptstore.backends.base import Backend, error_context
+from ckptstore.deadline import Deadline, current_deadline
 from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError, ErrorContext, LeaseHeldError
 from ckptstore.protocol.lease_record import LeaseRecord, Process, read_lease
@@ -48,20 +55,33 @@ class Contender:
     sleep: Callable[[float], None]
 
     def judge(self, record: LeaseRecord, version: str | None) -> str | None:
-        """Why the record's holder is gone; raises LeaseHeldError while it lives; None if the
-        record changed hands or was released meanwhile (look again)."""
+        """Why the record's holder is gone; raises LeaseHeldError while it lives, or while it
+        may live past the deadline in force; None if the record changed hands or was released
+        meanwhile (look again)."""
         holder = record.process()
         if holder is not None and self.process.same_machine(holder) and holder.gone():
             return f"its process {holder.pid} on this host is gone"
         if math.isinf(record.ttl):
             raise LeaseHeldError(
-                held_message(self.backend.uri, record, "lease_ttl=inf: it never expires"),
+                held_message(self.backend.uri, record, "lease_ttl=inf"),
                 **lease_context(self.backend),
             )
         age = self._storage_age()
         if age is not None and age[0] > record.ttl + age[1]:
             return f"not renewed for {age[0]:.0f} s by the storage's clock (ttl {record.ttl:g} s)"
         wait = record.ttl if age is None else record.ttl - age[0] + age[1]
+        deadline = current_deadline()
+        if deadline is not None and wait > deadline.remaining():
+            seen = (
+                f"last renewed {age[0]:.0f} s ago by the storage's clock"
+                if age is not None
+                else "the storage keeps no modification times, so only watching its record "
+                "for a whole TTL can tell that it is gone"
+            )
+            raise LeaseHeldError(
+                held_message(self.backend.uri, record, seen, expires_in=wait, deadline=deadline),
+                **lease_context(self.backend),
+            )
         return self._watch(record, version, wait)
 
     def _storage_age(self) -> tuple[float, float] | None:
@@ -106,11 +126,40 @@ def lease_context(backend: Backend) -> ErrorContext:
     return error_context(backend.uri, layout.LEASE_NAME)
 
 
-def held_message(uri: str, record: LeaseRecord, evidence: str) -> str:
+def held_message(
+    uri: str,
+    record: LeaseRecord,
+    evidence: str,
+    *,
+    expires_in: float | None = None,
+    deadline: Deadline | None = None,
+) -> str:
+    """Who holds the lease (writer id, host, pid, since when by its clock), the evidence, when
+    it expires (``expires_in``: at most that many seconds unless renewed) and the options."""
+    where = f"host {record.host}" if record.host else "an unknown host"
+    where += f", pid {record.pid}" if record.pid is not None else ""
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(record.acquired))
+    if math.isinf(record.ttl):
+        expiry = "it never expires"
+    elif expires_in is not None:
+        expiry = f"expires in at most {max(expires_in, 0.0):.0f} s unless renewed"
+    else:
+        expiry = (
+            f"renewed every {record.ttl / 4:g} s; it expires {record.ttl:g} s after the last "
+            "renewal"
+        )
+    late = ""
+    if deadline is not None:
+        late = (
+            f"; this save's {deadline.seconds:g} s deadline (save_timeout) ends before the "
+            "lease can expire"
+        )
+    wait = "" if math.isinf(record.ttl) else ", or save again once its lease expired"
     return (
-        f"{uri} is being written by {record.holder} (writer lease epoch {record.epoch}; "
-        f"{evidence}). If that job is dead, take over with takeover=True (CLI: --takeover); "
-        "otherwise point this job at another URI"
+        f"{uri} is being written by writer {record.holder} ({where}, writer lease epoch "
+        f"{record.epoch} held since {since} by its clock; {evidence}; {expiry}){late}. If that "
+        f"job is dead, take over with takeover=True (CLI: --takeover){wait}; otherwise point "
+        "this job at another URI"
     )
 
 

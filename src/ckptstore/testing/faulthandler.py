@@ -31,6 +31,7 @@ _ERRORS = {
     "503": (503, "SlowDown", "Please reduce your request rate."),
     "412": (412, "PreconditionFailed", "At least one of the preconditions did not hold."),
     "501": (501, "NotImplemented", "A header or operation you provided is not implemented."),
+    "expired": (400, "ExpiredToken", "The provided token has expired."),
 }
 _HOP_BY_HOP = frozenset(
     ["connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -63,6 +64,8 @@ class Proxy(Protocol):
     def mode_for(self, op: str, key: str) -> Fault | None: ...
 
     def track(self, connection: socket.socket, alive: bool) -> None: ...
+
+    def refuses(self, op: str, authorization: str) -> bool: ...
 
 
 def operation(method: str, path: str, query: Mapping[str, Any], headers: Message) -> str:
@@ -132,6 +135,9 @@ class Handler(BaseHTTPRequestHandler):
                 return
         else:
             body = self._read_body()
+        if proxy.refuses(op, self.headers.get("Authorization") or ""):
+            self._send_error("expired", split.path)
+            return
         if mode is not None and mode.kind == "brownout":
             self._send_error(str(mode.status), split.path)
             return

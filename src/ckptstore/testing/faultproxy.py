@@ -26,6 +26,10 @@ operations and keys, each counting how often it fired. These take precedence ove
 request beyond its prefix's rate is answered ``503 SlowDown`` with S3's XML error body and
 never reaches the server, whatever ``rate`` draws (see throttle.py for the model).
 
+``key_lifetime`` makes it a server whose credentials expire: a request signed with a rotating
+key (:mod:`.rotation`) more than that many seconds after the key was issued is answered
+``400 ExpiredToken`` and never reaches the server; other keys pass.
+
 ``quirk`` emulates one way an S3-compatible server differs from S3 (:mod:`.quirks`).
 """
 
@@ -35,6 +39,7 @@ import contextlib
 import random
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 from http.server import ThreadingHTTPServer
@@ -44,6 +49,7 @@ from urllib.parse import urlsplit
 from ckptstore.testing.faulthandler import Handler, Proxy, operation
 from ckptstore.testing.faultmodes import Fault
 from ckptstore.testing.quirks import QUIRKS
+from ckptstore.testing.rotation import issued_at, key_of
 from ckptstore.testing.throttle import Throttle
 
 __all__ = ["FAULTS", "QUIRKS", "Fault", "FaultProxy", "operation"]
@@ -79,6 +85,7 @@ class FaultProxy:
         record: bool = False,
         host: str = "127.0.0.1",
         port: int = 0,
+        key_lifetime: float | None = None,
     ) -> None:
         unknown = set(faults) - set(FAULTS)
         if unknown or not faults:
@@ -109,6 +116,12 @@ class FaultProxy:
         """Conditional requests seen so far, as ``"<operation> <header>"`` (before any quirk)."""
         self.requests: list[tuple[str, str, str]] | None = [] if record else None
         """With ``record=True``: every request as ``(operation, key, Range header or "")``."""
+        self.key_lifetime = key_lifetime
+        """Seconds a rotating key is accepted after its issue (None: keys never expire)."""
+        self.keys: Counter[str] = Counter()
+        """Requests seen so far, by rotating access key (with ``key_lifetime``)."""
+        self.expired: Counter[str] = Counter()
+        """Requests answered ExpiredToken so far, by S3 operation."""
         self.stopping = threading.Event()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -178,6 +191,22 @@ class FaultProxy:
             kind = self._rng.choice(self.faults)
             self.injected[kind] += 1
             return kind, self._rng.uniform(0.0, self.max_delay)
+
+    def refuses(self, op: str, authorization: str) -> bool:
+        """Whether a request of ``op`` signed as ``authorization`` says is refused as expired
+        (``key_lifetime``); counted."""
+        if self.key_lifetime is None:
+            return False
+        key = key_of(authorization)
+        issued = issued_at(key) if key is not None else None
+        if key is None or issued is None:
+            return False
+        with self._lock:
+            self.keys[key] += 1
+            if time.time() - issued <= self.key_lifetime:
+                return False
+            self.expired[op] += 1
+            return True
 
     def track(self, connection: socket.socket, alive: bool) -> None:
         with self._lock:
