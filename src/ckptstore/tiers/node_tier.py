@@ -25,12 +25,12 @@ from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError, ConflictError
 from ckptstore.protocol.catalog import StepState
 from ckptstore.tiers.local import DEFAULT_LOCAL_KEEP_LAST, LocalTier
+from ckptstore.tiers.placement import PeerLayout
 
 if TYPE_CHECKING:
     from ckptstore.core.saving import Saver
     from ckptstore.domain.manifest import FileEntry, Manifest
     from ckptstore.domain.plan import Plan
-    from ckptstore.tiers.peers import PeerLayout
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class NodeTier:
         self._peers = ThreadPoolExecutor(1, thread_name_prefix="ckpt-peer")
         self._pending: list[Future[None]] = []
         self.peer_layout: PeerLayout | None = None
-        """Which node each rank is on, gathered at the first peer copy (peers.py)."""
+        """Which node each rank is on (placement.py), gathered at the first peer copy (peers.py)."""
 
     def sharing(self, step: int) -> set[str]:
         """Keys of ``step``'s files this process shares (the persist need not copy them)."""
