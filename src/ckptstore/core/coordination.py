@@ -269,7 +269,7 @@ class Coordinator:
         disk, which this process never reads (the same path here is another disk): the
         participant wrote them whole (each write is checked as it is made), and a step due
         for the durable tier is committed there only once every node's share is in it
-        (persister.py)."""
+        (persist_queue.py)."""
         return report.node == self.saver.node
 
     def commit(

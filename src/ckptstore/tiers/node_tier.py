@@ -3,7 +3,7 @@ node's local tier (tiers/local.py, "every rank on its node's tier").
 
 A participant stages its files in its node's local tier (coordination.py's ``stage``). Of a
 step due for the durable tier (``Plan.due``), it copies them there at once, in the
-background, under the save's attempt markers: the coordinator's persist (persister.py) waits
+background, under the save's attempt markers: the coordinator's persist (durable_commit.py) waits
 for every node's share before it commits the step there. When the coordinator has committed
 the step, a face that hears of it (``save_distributed``, verl's driver) has every other node
 commit the same manifest in its own tier (:meth:`NodeTier.join`), so the step resolves on
@@ -117,7 +117,7 @@ class NodeTier:
         """A participant's files of a step due for the durable tier, just staged in this
         node's local tier: copy them there in the background, under attempt markers of the
         save (so gc knows whose they are if the step is never committed). The coordinator's
-        persist waits for them, then commits the step (persister.py)."""
+        persist waits for them, then commits the step (persist_queue.py)."""
         step = plan.step
         with self._lock:
             self._sharing.setdefault(step, set()).update(e.key(step) for e in entries)
