@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ckptstore import CheckpointStore
-from ckptstore.core.coordination import Staged
+from ckptstore.core.reports import Staged
 from ckptstore.errors import DistributedCheckpointError
 from ckptstore.integrations.distributed import load_distributed, save_distributed
 from ckptstore.integrations.verl import CkptstoreCallback, commit_step, prepare_resume
