@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from harness.nodes import Cluster, refused
+from s3process import Server
 
 MiB = 1 << 20
 BACKENDS = ["local", "memory", "s3"]
@@ -39,6 +40,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    """moto's S3 server in a process of its own (s3process.py), which a test stops and
+    continues: one per test module that asks for it."""
+    s = Server()
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 @pytest.fixture(scope="session")

@@ -81,3 +81,28 @@ class Gate(BackendProxy):
     def write(self, path: str, chunks: Iterable[Chunk]) -> int:
         assert self.open.wait(30), "the gate was never opened"
         return super().write(path, chunks)
+
+
+class FailsManifestOf(BackendProxy):
+    """Every commit of ``step`` through it fails for good (a non-retryable storage error at
+    its manifest), after its files landed: a tiered store's copy of the step fails, and the
+    step stays pinned in the local tier, due and not durable. Paths are the store's (the
+    wrapped backend is rooted at the store)."""
+
+    def __init__(self, inner: Backend, step: int) -> None:
+        super().__init__(inner)
+        self.folder = f"global_step_{step}/"
+        self.failures = 0
+
+    def _check(self, path: str) -> None:
+        if path.startswith(self.folder) and path.endswith("manifest.json"):
+            self.failures += 1
+            raise BackendError(f"injected: the bucket refused {path}", retryable=False)
+
+    def create(self, path: str, data: bytes) -> None:
+        self._check(path)
+        super().create(path, data)
+
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        self._check(path)
+        return super().write(path, chunks)

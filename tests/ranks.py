@@ -14,10 +14,12 @@ argument rather than inheriting the server's.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -85,21 +87,26 @@ def _child(
     env: dict[str, str],
     args: tuple[Any, ...],
 ) -> None:
+    """A rank: ``fn``'s result (or traceback) pickled to ``rank{rank}.pkl``. On SIGUSR1 it
+    dumps its threads' stacks to ``rank{rank}.stacks``, so a harness can say where a hung
+    rank hangs (harness/nodes.py)."""
     import torch.distributed as dist
 
     os.environ.clear()
     os.environ.update(env)
     logging.basicConfig(level=logging.WARNING)
     result: tuple[str, Any]
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
-    )
-    try:
-        result = ("ok", fn(rank, world_size, *args))
-    except BaseException:
-        result = ("error", traceback.format_exc())
-    finally:
-        dist.destroy_process_group()
+    with open(tmp / f"rank{rank}.stacks", "w") as stacks:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        dist.init_process_group(
+            "gloo", init_method=init, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+        )
+        try:
+            result = ("ok", fn(rank, world_size, *args))
+        except BaseException:
+            result = ("error", traceback.format_exc())
+        finally:
+            dist.destroy_process_group()
     (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 

@@ -16,7 +16,7 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
-from ckptstore.core.coordination import Staged
+from ckptstore.core.reports import Staged
 from ckptstore.data.payload import SourceFile
 from ckptstore.domain.layout import LATEST_NAME
 from ckptstore.domain.manifest import KIND_DIRECTORY

@@ -48,7 +48,7 @@ from ckptstore import CheckpointStore, wiring
 from ckptstore.backends.base import Backend
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
-from ckptstore.core.coordination import Staged
+from ckptstore.core.reports import Staged
 from ckptstore.data.payload import SourceFile
 from ckptstore.domain import layout
 from ckptstore.domain.manifest import (

@@ -12,7 +12,7 @@ import pytest
 from ckptstore import CheckpointStore
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
-from ckptstore.core.coordination import Staged
+from ckptstore.core.reports import Staged
 from ckptstore.data.payload import SourceFile
 from ckptstore.domain import layout
 from ckptstore.domain.manifest import KIND_DIRECTORY

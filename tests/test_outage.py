@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +40,6 @@ SLACK = 4.5
 """What close() may take past save_timeout (module docstring), plus 0.5 s of scheduling."""
 LOCAL_SAVE = 1.0
 """A local save of a few KiB while the bucket is away takes far less."""
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    s = Server()
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def state(step: int) -> dict[str, torch.Tensor]:
@@ -99,6 +89,15 @@ def lease_record(server: Server, bucket: str) -> dict[str, Any]:
     return dict(json.loads(body.read()))
 
 
+def tiered_with_step_1(server: Server, bucket: str, local: Path) -> tuple[str, CheckpointStore]:
+    """A tiered store at ``bucket``'s ``run``, whose step 1 is durable: its URI and the store."""
+    uri = f"s3://{bucket}/run"
+    store = tiered(uri, local, server.options())
+    store.save(1, state(1))
+    store.wait()
+    return uri, store
+
+
 def timed_save(store: CheckpointStore, step: int) -> float:
     started = time.monotonic()
     store.save(step, state(step))
@@ -110,11 +109,8 @@ def timed_save(store: CheckpointStore, step: int) -> float:
 def test_local_saves_commit_while_the_bucket_is_stopped_and_copies_resume(
     server: Server, tmp_path: Path
 ) -> None:
-    bucket = server.bucket()
-    uri, local = f"s3://{bucket}/run", tmp_path / "local"
-    store = tiered(uri, local, server.options())
-    store.save(1, state(1))
-    store.wait()
+    bucket, local = server.bucket(), tmp_path / "local"
+    uri, store = tiered_with_step_1(server, bucket, local)
     with server.stopped():
         timed_save(store, 2)
         timed_save(store, 3)
@@ -157,11 +153,8 @@ def test_without_save_timeout_local_saves_do_not_wait_for_the_bucket_either(
 def test_close_returns_by_its_deadline_while_the_bucket_is_stopped(
     server: Server, tmp_path: Path
 ) -> None:
-    bucket = server.bucket()
-    uri, local = f"s3://{bucket}/run", tmp_path / "local"
-    store = tiered(uri, local, server.options())
-    store.save(1, state(1))
-    store.wait()
+    bucket, local = server.bucket(), tmp_path / "local"
+    uri, store = tiered_with_step_1(server, bucket, local)
     with server.stopped():
         timed_save(store, 2)
         started = time.monotonic()

@@ -22,7 +22,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +45,6 @@ TIMEOUT = 4.0
 """save_timeout (and load_timeout) of every store here."""
 SLACK = 3.0
 """What a failure may take past its deadline (module docstring)."""
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    s = Server()
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def big(seed: int, mib: int = 32) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,10 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.backends.base import Backend, Chunk
-from ckptstore.backends.proxy import BackendProxy
+from ckptstore.backends.base import Backend
 from ckptstore.cli.main import run as cli_run
 from ckptstore.errors import BackendError, CheckpointError, StepBehindLatestError
-from faults import FaultyBackend, Gate, InjectedFault
+from faults import FailsManifestOf, FaultyBackend, Gate, InjectedFault
 
 
 def state(n: int) -> dict[str, torch.Tensor]:
@@ -90,29 +89,6 @@ class DiesInStep(FaultyBackend):
         nothing of it is left for this process's exit to release through a dead backend."""
         self.fired = False
         self.folder = "\0"
-
-
-class FailsStep(BackendProxy):
-    """Every commit of ``step`` into the bucket fails for good (a non-retryable storage
-    error at its manifest), after its files landed: what a failed copy leaves behind."""
-
-    def __init__(self, inner: Backend, step: int) -> None:
-        super().__init__(inner)
-        self.folder = f"global_step_{step}/"
-        self.failures = 0
-
-    def _check(self, path: str) -> None:
-        if self.folder in path and path.endswith("manifest.json"):
-            self.failures += 1
-            raise BackendError(f"injected: the bucket refused {path}", retryable=False)
-
-    def create(self, path: str, data: bytes) -> None:
-        self._check(path)
-        super().create(path, data)
-
-    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
-        self._check(path)
-        return super().write(path, chunks)
 
 
 # -- 1. a killed copy, re-copied by the next writer, is not a fenced writer's step --------------
@@ -281,7 +257,7 @@ def test_close_does_not_fail_the_job_over_a_superseded_copy_failure(
     that would make every later writer copy it again)."""
     local = str(tmp_path / "local")
     with plain_backend(s3_uri, s3_options) as inner:
-        failing = FailsStep(inner, 6)
+        failing = FailsManifestOf(inner, 6)
         store = CheckpointStore(s3_uri, backend=failing, local=local, persist_every=2)
         for step in range(1, 41):
             store.save(step, state(step))
@@ -313,7 +289,7 @@ def test_close_still_raises_when_the_last_step_is_not_durable(
     by anything, so the job must hear that its final step is not in the bucket."""
     local = str(tmp_path / "local")
     with plain_backend(s3_uri, s3_options) as inner:
-        failing = FailsStep(inner, 8)
+        failing = FailsManifestOf(inner, 8)
         store = CheckpointStore(s3_uri, backend=failing, local=local, persist_every=2)
         for step in range(1, 9):
             store.save(step, state(step))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.backends.base import Backend, Chunk
+from ckptstore.backends.base import Backend
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.cli.main import run as cli_run
 from ckptstore.errors import (
@@ -29,7 +29,7 @@ from ckptstore.errors import (
     NotFoundError,
     StepBehindLatestError,
 )
-from faults import Gate
+from faults import FailsManifestOf, Gate
 
 
 def state(n: int) -> dict[str, torch.Tensor]:
@@ -72,29 +72,6 @@ def keys_under(s3_client: Any, uri: str, folder: str) -> list[str]:
 def bucket_backend(uri: str, options: dict[str, Any]) -> Iterator[Backend]:
     with CheckpointStore(uri, storage_options=options, lease=False) as plain:
         yield plain.backend
-
-
-class FailsManifestOf(BackendProxy):
-    """Every commit of ``step`` into the bucket fails (after its files landed): its copy
-    fails, and the step stays pinned in the local tier, due and not durable."""
-
-    def __init__(self, inner: Backend, step: int) -> None:
-        super().__init__(inner)
-        self.folder = f"global_step_{step}/"
-        self.failures = 0
-
-    def _check(self, path: str) -> None:
-        if path.startswith(self.folder) and path.endswith("manifest.json"):
-            self.failures += 1
-            raise BackendError(f"injected: the bucket refused {path}", retryable=False)
-
-    def create(self, path: str, data: bytes) -> None:
-        self._check(path)
-        super().create(path, data)
-
-    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
-        self._check(path)
-        return super().write(path, chunks)
 
 
 class DiesDeleting(BackendProxy):

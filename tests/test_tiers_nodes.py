@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ckptstore import CheckpointStore
-from ckptstore.core.coordination import Staged
+from ckptstore.core.reports import Staged
 from ckptstore.errors import DistributedCheckpointError
 from ckptstore.integrations.distributed import load_distributed, save_distributed
 from ckptstore.integrations.verl import CkptstoreCallback, commit_step, prepare_resume
@@ -56,6 +56,18 @@ def _load(rank: int, world: int, uri: str, options: dict[str, Any], local: str) 
 def bucket_steps(uri: str, options: dict[str, Any]) -> list[int]:
     with CheckpointStore(uri, storage_options=options, lease=False) as store:
         return [i.step for i in store.list()]
+
+
+@pytest.fixture
+def bucket_keys(s3_uri: str, s3_bucket: str, s3_client: Any) -> Callable[[str], list[str]]:
+    """The keys the bucket holds under a directory of the store at ``s3_uri``."""
+    prefix = s3_uri.split(f"{s3_bucket}/", 1)[1]
+
+    def keys(directory: str) -> list[str]:
+        listed = s3_client.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/{directory}/")
+        return [o["Key"] for o in listed.get("Contents", [])]
+
+    return keys
 
 
 @pytest.mark.parametrize("nodes", [2, 3])
@@ -301,9 +313,8 @@ def test_a_failed_multi_node_save_leaves_nothing_in_the_bucket(
     nodes: int,
     cluster: Callable[..., Cluster],
     s3_uri: str,
-    s3_bucket: str,
-    s3_client: Any,
     s3_options: dict[str, Any],
+    bucket_keys: Callable[[str], list[str]],
 ) -> None:
     """The shares of the step that reached the bucket before the save failed are removed,
     by their node once its copy is done, and no rank is told otherwise."""
@@ -312,9 +323,7 @@ def test_a_failed_multi_node_save_leaves_nothing_in_the_bucket(
     assert all("step 2 was not saved" in e for e in errors), errors
     assert all(f"what a node was still copying to {s3_uri} is removed" in e for e in errors)
     assert bucket_steps(s3_uri, s3_options) == [1]
-    prefix = s3_uri.split(f"{s3_bucket}/", 1)[1]
-    listed = s3_client.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/global_step_2/")
-    left = [o["Key"] for o in listed.get("Contents", [])]
+    left = bucket_keys("global_step_2")
     assert left == [], left  # no node's share of the failed step stays
     for k in range(nodes):
         assert not (c.disk(k) / "global_step_2").exists() or not any(
@@ -364,16 +373,13 @@ def _verl_fail(rank: int, world: int, uri: str, options: dict[str, Any], local: 
 def test_a_failed_verl_save_leaves_nothing_in_the_bucket(
     cluster: Callable[..., Cluster],
     s3_uri: str,
-    s3_bucket: str,
-    s3_client: Any,
     s3_options: dict[str, Any],
+    bucket_keys: Callable[[str], list[str]],
 ) -> None:
     c = cluster(3)
     error = c.run(_verl_fail, s3_uri, s3_options, c.local)[0]
     assert "Input/output error" in error and "was not saved" in error, error
-    prefix = s3_uri.split(f"{s3_bucket}/", 1)[1]
-    listed = s3_client.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/global_step_1/")
-    assert [o["Key"] for o in listed.get("Contents", [])] == []
+    assert bucket_keys("global_step_1") == []
     for k in range(3):  # no node's tier keeps a staged file of the step
         assert not [p for p in (c.disk(k) / "tier").rglob("global_step_1/**/*") if p.is_file()]
 
@@ -408,9 +414,8 @@ def _dcp_fail_step_2(rank: int, world: int, uri: str, options: dict[str, Any], l
 def test_a_failed_dcp_save_leaves_only_what_gc_removes(
     cluster: Callable[..., Cluster],
     s3_uri: str,
-    s3_bucket: str,
-    s3_client: Any,
     s3_options: dict[str, Any],
+    bucket_keys: Callable[[str], list[str]],
 ) -> None:
     """DCP tells its participants nothing after ``finish``: the coordinator removes what
     reached the bucket by then, a copy still in flight lands under the save's attempt
@@ -421,6 +426,4 @@ def test_a_failed_dcp_save_leaves_only_what_gc_removes(
     assert bucket_steps(s3_uri, s3_options) == [1]
     with CheckpointStore(s3_uri, storage_options=s3_options, lease=False) as store:
         store.gc(older_than=0)
-    prefix = s3_uri.split(f"{s3_bucket}/", 1)[1]
-    listed = s3_client.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/global_step_2/")
-    assert [o["Key"] for o in listed.get("Contents", [])] == []
+    assert bucket_keys("global_step_2") == []

@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ckptstore.core.coordination import Coordinator, Staged
+from ckptstore.core.coordination import Coordinator
+from ckptstore.core.reports import Staged
 from ckptstore.data.payload import SourceFile
 from ckptstore.domain.manifest import KIND_DIRECTORY
 from ckptstore.domain.plan import Plan

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import faulthandler
 import functools
 import multiprocessing
 import os
@@ -219,7 +218,7 @@ def _node(
     _THIS = node
     fork = multiprocessing.get_context("fork")
     ranks = [
-        fork.Process(target=_rank, args=(fn, rank, world_size, init, tmp, env, args), daemon=True)
+        fork.Process(target=_child, args=(fn, rank, world_size, init, tmp, env, args), daemon=True)
         for rank in node.ranks
     ]
     for proc in ranks:
@@ -235,21 +234,6 @@ def _node(
     for proc in hung:
         proc.kill()
         proc.join()
-
-
-def _rank(
-    fn: Callable[..., Any],
-    rank: int,
-    world_size: int,
-    init: str,
-    tmp: Path,
-    env: dict[str, str],
-    args: tuple[Any, ...],
-) -> None:
-    """A rank (ranks.py's), which dumps its threads' stacks on SIGUSR1 (a hung rank)."""
-    with open(tmp / f"rank{rank}.stacks", "w") as stacks:
-        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-        _child(fn, rank, world_size, init, tmp, env, args)
 
 
 def _enter(node: Node, disk: Path) -> None:

@@ -11,9 +11,9 @@ module writes it:
    behind ``latest``, and read ``latest``'s manifest once. The result is a Plan (plan.py),
    cut per participant so none reads the pointer or the manifest (README "Scale").
 2. **stage**, on every participant (:func:`stage`): upload its files into an attempt
-   directory of its own, uncommitted. :meth:`Staged.of` runs it so that it never raises: a
-   failure travels to the coordinator as text, since a participant that skips a collective
-   hangs the others.
+   directory of its own, uncommitted. :meth:`Staged.of` (reports.py) runs it so that it never
+   raises: a failure travels to the coordinator as text, since a participant that skips a
+   collective hangs the others.
 3. **conclude**, on the coordinator: if any participant failed, discard every staged file and
    raise one error naming each failure; else confirm the files, renew the lease (the fence
    check), write the manifest create-only, move ``latest`` and apply retention.
@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptstore.core.reports import Staged, describe, label
 from ckptstore.data.payload import Progress, SourceFile
 from ckptstore.deadline import Deadline, bounded, clean_up, current_deadline, within
 from ckptstore.domain import layout
@@ -119,45 +120,6 @@ class SaveTarget(Protocol):
     def saved(self, stats: SaveStats) -> None:
         """After a commit moved ``latest``: log, tell the observer, apply retention."""
         ...
-
-
-@dataclass(frozen=True)
-class Staged:
-    """One participant's report to the coordinator: its entries, or why it failed."""
-
-    participant: int | str
-    entries: tuple[FileEntry, ...] = ()
-    error: str | None = None
-    node: str | None = None
-    """The node the participant staged on: its store's local tier's node id (``store.node``,
-    tiers/identity.py), or None when it staged in the store itself. Not a path: every node
-    of a cluster may be given the same ``local=``, each on a disk of its own."""
-
-    @classmethod
-    def of(
-        cls,
-        participant: int | str,
-        stage: Callable[[], Iterable[FileEntry]],
-        *,
-        node: str | None,
-    ) -> Staged:
-        """Run ``stage`` (staging on ``node``: ``store.node`` of the participant's store);
-        never raises (the failure is logged and reported as text)."""
-        try:
-            return cls(participant, tuple(stage()), node=node)
-        except Exception as e:
-            return cls.failure(participant, e)
-
-    @classmethod
-    def failure(cls, participant: int | str, error: BaseException) -> Staged:
-        """The report of a participant whose staging raised ``error`` (logged here)."""
-        log.error("%s could not stage its files", _label(participant), exc_info=error)
-        return cls(participant, error=describe(error))
-
-
-def describe(error: BaseException) -> str:
-    """An error as one line of text, to send to other processes."""
-    return f"{type(error).__name__}: {error}"
 
 
 def stage(
@@ -258,9 +220,9 @@ class Coordinator:
         try:
             return self.commit(entries, world_size=world_size, confirm=seen)
         except Exception as e:
-            log.exception("%s could not commit step %d", _label(coordinator), self.step)
+            log.exception("%s could not commit step %d", label(coordinator), self.step)
             with self.running():  # a server that stopped answering: "may be committed"
-                what, discarded = self._what_became(_label(coordinator))
+                what, discarded = self._what_became(label(coordinator))
             raise self._failed({coordinator: describe(e)}, what, discarded=discarded) from e
 
     def sees(self, report: Staged) -> bool:
@@ -269,7 +231,7 @@ class Coordinator:
         disk, which this process never reads (the same path here is another disk): the
         participant wrote them whole (each write is checked as it is made), and a step due
         for the durable tier is committed there only once every node's share is in it
-        (persister.py)."""
+        (persist_queue.py)."""
         return report.node == self.saver.node
 
     def commit(
@@ -385,7 +347,7 @@ class Coordinator:
     def _failed(
         self, failures: Mapping[int | str, str], what: str, *, discarded: bool
     ) -> DistributedCheckpointError:
-        listed = "; ".join(f"{_label(p)}: {text}" for p, text in _ordered(failures))
+        listed = "; ".join(f"{label(p)}: {text}" for p, text in _ordered(failures))
         uri = self.saver.catalog.uri(layout.step_dir(self.step))
         return DistributedCheckpointError(
             f"step {self.step} {what}: {listed}",
@@ -472,10 +434,6 @@ def _latest_read(saver: SaveTarget, kind: str) -> tuple[int | None, Manifest | N
         log.debug("no previous step to reuse files from: %s", e)
         return latest, None
     return latest, manifest if manifest.kind == kind else None
-
-
-def _label(participant: int | str) -> str:
-    return f"rank {participant}" if isinstance(participant, int) else str(participant)
 
 
 def _ordered(failures: Mapping[int | str, str]) -> list[tuple[int | str, str]]:

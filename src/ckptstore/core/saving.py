@@ -83,7 +83,7 @@ class Saver:
     fall behind the durable tier's latest either, and each commit is offered for persisting."""
     node: str | None = None
     """The node id of the local tier this saver commits in (``LocalTier.identity.node``);
-    None for a store that every participant writes to itself (coordination.py, ``Staged``)."""
+    None for a store that every participant writes to itself (reports.py, ``Staged``)."""
     pointer_trusted: bool = field(default=False, init=False)
     """Whether :meth:`latest_step` may take ``latest.json`` at its word (module docstring)."""
 

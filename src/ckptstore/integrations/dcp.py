@@ -57,7 +57,8 @@ from torch.futures import Future
 
 from ckptstore.backends.base import join
 from ckptstore.core.collectives import Collectives
-from ckptstore.core.coordination import Coordinator, Staged, describe
+from ckptstore.core.coordination import Coordinator
+from ckptstore.core.reports import Staged, describe
 from ckptstore.data.payload import SourceFile
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo

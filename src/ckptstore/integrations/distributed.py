@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from ckptstore.backends.base import error_context
 from ckptstore.core.collectives import Collectives
-from ckptstore.core.coordination import Coordinator, Staged, describe
+from ckptstore.core.coordination import Coordinator
+from ckptstore.core.reports import Staged, describe
 from ckptstore.core.resolver import VERIFY_ERRORS, Search
 from ckptstore.data.payload import SourceFile
 from ckptstore.data.serialize import SKELETON_FILE, decode_state, encode_state

@@ -39,7 +39,8 @@ from dataclasses import replace
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from ckptstore.core.coordination import Coordinator, Staged
+from ckptstore.core.coordination import Coordinator
+from ckptstore.core.reports import Staged
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import KIND_DIRECTORY

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckptstore.backends.fsutil import TMP_PREFIX, atomic_write, temp_name
-from ckptstore.core.coordination import Staged
+from ckptstore.core.reports import Staged
 from ckptstore.data.payload import SourceFile, iter_file
 from ckptstore.deadline import current_deadline
 from ckptstore.domain import layout

@@ -102,9 +102,9 @@ class Maintenance:
     """Fastest first; the durable tier last."""
     clock: Callable[[], float]
     forget: Callable[[int], None] = _forget_nothing
-    """Tells the tiers' copier a step is being deleted (persister.py's ``drop``)."""
+    """Tells the tiers' copier a step is being deleted (persist_queue.py's ``drop``)."""
     pending: Callable[[int], bool] = _nothing_pending
-    """Whether the tiers' copier is copying a step, or failed to (persister.py)."""
+    """Whether the tiers' copier is copying a step, or failed to (persist_queue.py)."""
 
     @property
     def durable(self) -> Tier:

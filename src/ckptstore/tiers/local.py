@@ -8,11 +8,12 @@
   writer lease (the local tier has none of its own) and with the store's writer id, so a
   manifest is the store's wherever it lies. A save must not fall behind the newest step of
   *either* tier.
-* **Persisting** (persister.py): a due step (:class:`PersistPolicy`) is pinned in the local
-  tier, so local retention never deletes it before it is durable, and committed in the
-  durable tier by the coordinated save once more: the very same manifest (same digests, same
-  signature), ``latest`` forward, the durable retention. A participant of a multi-process
-  save persists its own share of a due step (node_tier.py).
+* **Persisting** (persister.py, persist_queue.py, durable_commit.py): a due step
+  (:class:`PersistPolicy`) is pinned in the local tier, so local retention never deletes it
+  before it is durable, and committed in the durable tier by the coordinated save once more:
+  the very same manifest (same digests, same signature), ``latest`` forward, the durable
+  retention. A participant of a multi-process save persists its own share of a due step
+  (node_tier.py).
 * **Resolving** (resolver.py): one resolver over both tiers: the newest step either holds,
   the local copy of a step first, the durable copy of the same step before any older one,
   the durable pointer's fences for both. Reads of a step's files take the local copy of each

@@ -3,7 +3,7 @@ node's local tier (tiers/local.py, "every rank on its node's tier").
 
 A participant stages its files in its node's local tier (coordination.py's ``stage``). Of a
 step due for the durable tier (``Plan.due``), it copies them there at once, in the
-background, under the save's attempt markers: the coordinator's persist (persister.py) waits
+background, under the save's attempt markers: the coordinator's persist (durable_commit.py) waits
 for every node's share before it commits the step there. When the coordinator has committed
 the step, a face that hears of it (``save_distributed``, verl's driver) has every other node
 commit the same manifest in its own tier (:meth:`NodeTier.join`), so the step resolves on
@@ -25,12 +25,12 @@ from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError, ConflictError
 from ckptstore.protocol.catalog import StepState
 from ckptstore.tiers.local import DEFAULT_LOCAL_KEEP_LAST, LocalTier
+from ckptstore.tiers.placement import PeerLayout
 
 if TYPE_CHECKING:
     from ckptstore.core.saving import Saver
     from ckptstore.domain.manifest import FileEntry, Manifest
     from ckptstore.domain.plan import Plan
-    from ckptstore.tiers.peers import PeerLayout
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class NodeTier:
         self._peers = ThreadPoolExecutor(1, thread_name_prefix="ckpt-peer")
         self._pending: list[Future[None]] = []
         self.peer_layout: PeerLayout | None = None
-        """Which node each rank is on, gathered at the first peer copy (peers.py)."""
+        """Which node each rank is on (placement.py), gathered at the first peer copy (peers.py)."""
 
     def sharing(self, step: int) -> set[str]:
         """Keys of ``step``'s files this process shares (the persist need not copy them)."""
@@ -117,7 +117,7 @@ class NodeTier:
         """A participant's files of a step due for the durable tier, just staged in this
         node's local tier: copy them there in the background, under attempt markers of the
         save (so gc knows whose they are if the step is never committed). The coordinator's
-        persist waits for them, then commits the step (persister.py)."""
+        persist waits for them, then commits the step (persist_queue.py)."""
         step = plan.step
         with self._lock:
             self._sharing.setdefault(step, set()).update(e.key(step) for e in entries)

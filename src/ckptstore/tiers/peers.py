@@ -11,8 +11,8 @@ Peers are chosen by node, not by rank number: with several ranks per node, rank 
 usually on r's own node, and a lost node would take both copies. Every rank's node id (the
 local tier's identity, tiers/identity.py: one per disk, whatever the path) is gathered once per
 store; nodes are numbered in the order of their first rank, and the j-th rank of node i sends
-to the j-th rank (modulo its count) of node i + 1. On one node no peer copy is possible: the
-store says so once and sends nothing.
+to the j-th rank (modulo its count) of node i + 1 (placement.py). On one node no peer copy is
+possible: the store says so once and sends nothing.
 
 Both halves are collectives: every rank calls them at the same point, whatever happened
 locally, and the files travel in chunks read from and written to disk as they go
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptstore.tiers.peer_stream import Outgoing, exchange
+from ckptstore.tiers.placement import PeerLayout
 
 if TYPE_CHECKING:
     from ckptstore.core.collectives import Collectives
@@ -38,31 +38,6 @@ if TYPE_CHECKING:
     from ckptstore.tiers.node_tier import NodeTier
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PeerLayout:
-    """Which node each rank of a group is on, and so where its copies go."""
-
-    nodes: tuple[str, ...]
-    """The node id of each group rank."""
-
-    def groups(self) -> list[list[int]]:
-        """The ranks of each node, nodes in the order of their first rank."""
-        by_node: dict[str, list[int]] = {}
-        for rank, node in enumerate(self.nodes):
-            by_node.setdefault(node, []).append(rank)
-        return list(by_node.values())
-
-    def target(self, rank: int) -> int | None:
-        """The rank that holds ``rank``'s copies: on the next node, the rank at the same
-        position (modulo that node's count); None if every rank is on one node."""
-        groups = self.groups()
-        if len(groups) < 2:
-            return None
-        here = next(i for i, ranks in enumerate(groups) if rank in ranks)
-        there = groups[(here + 1) % len(groups)]
-        return there[groups[here].index(rank) % len(there)]
 
 
 def peer_layout(comm: Collectives, node: NodeTier) -> PeerLayout:
