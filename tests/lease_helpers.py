@@ -124,8 +124,14 @@ def script(uri: str, options: dict[str, Any], how: str, ttl: float = 60.0) -> li
 
 def start(uri: str, options: dict[str, Any], how: str, ttl: float = 60.0) -> subprocess.Popen[str]:
     """The script in the background, once it is ready (held the lease or saved)."""
+    return ready([*script(uri, options, how, ttl), "wait"])
+
+
+def ready(command: list[str]) -> subprocess.Popen[str]:
+    """A lease holder's ``command`` in the background, once it printed ``ready``; an
+    AssertionError with its output if it did not."""
     proc = subprocess.Popen(
-        [*script(uri, options, how, ttl), "wait"],
+        command,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -135,5 +141,6 @@ def start(uri: str, options: dict[str, Any], how: str, ttl: float = 60.0) -> sub
     line = proc.stdout.readline()
     if line.strip() != "ready":
         proc.kill()
-        raise AssertionError(f"the holder did not start: {line}{proc.communicate()[1]}")
+        out, err = proc.communicate()
+        raise AssertionError(f"the holder did not start: {line}{out}{err}")
     return proc

@@ -30,7 +30,7 @@ from ckptstore import CheckpointStore
 from ckptstore.deadline import Deadline, bounded
 from ckptstore.errors import LeaseHeldError, SaveTimeoutError
 from ckptstore.testing.faultproxy import Fault, FaultProxy
-from lease_helpers import FakeTime, LeaseTroubles, contender, read_record, write_record
+from lease_helpers import FakeTime, LeaseTroubles, contender, read_record, ready, write_record
 
 Uri = tuple[str, dict[str, Any]]
 SLACK = 1.5
@@ -64,22 +64,13 @@ def elsewhere(uri: Uri, how: str, *, ttl: float = 60.0, skew: float = 0.0) -> su
     """A holder on host ``elsewhere-host`` in its own PID namespace, once it holds the lease."""
     # A shell is the namespace's init (PID 1 ignores even its own SIGKILL); the holder its child.
     init = ["unshare", "--uts", "--pid", "--fork", "sh", "-c", '"$@"; exit 0', "init"]
-    command = [*init, sys.executable, "-c", HOLDER]
-    proc = subprocess.Popen(
-        [*command, "elsewhere-host", uri[0], json.dumps(uri[1]), str(ttl), str(skew), how],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if line.strip() != "ready":
-        proc.kill()
-        out, err = proc.communicate()
-        if "Operation not permitted" in err:
+    holder = ["elsewhere-host", uri[0], json.dumps(uri[1]), str(ttl), str(skew), how]
+    try:
+        proc = ready([*init, sys.executable, "-c", HOLDER, *holder])
+    except AssertionError as e:
+        if "Operation not permitted" in str(e):
             pytest.skip("unshare needs root (CAP_SYS_ADMIN)")
-        raise AssertionError(f"the holder did not start: {line}{out}{err}")
+        raise
     if how == "kill":
         proc.wait(10)
     return proc

@@ -283,28 +283,39 @@ class Retrier:
                 progress.last_error = describe(e, op)
                 if kind is Kind.THROTTLED:
                     self.rate.throttled(round_)
-                spent = self._clock() - started
-                wait = self.policy.wait(failures, spent, self._rng)
-                if wait is None or self._unreached(e, kind, failures):
-                    raise
-                if not self.rate.answered and spent + wait >= self.first_byte_timeout:
-                    raise NoAnswer(
-                        seconds=self.first_byte_timeout,
-                        accepted=_accepted(e),
-                        last_error=progress.last_error,
-                    ) from e
-                logger.debug(
-                    "%s %s failed (%s); retrying in %.2f s",
-                    op,
-                    progress.target,
-                    progress.last_error,
-                    wait,
-                )
-                if (reached := sleep_within(wait, deadline, progress.token.sleep)) is not None:
-                    raise progress.deadline_error(reached) from e  # no retry could begin
+                self._wait_to_retry(e, kind, failures, started, deadline, (op, progress))
                 continue
             self.rate.succeeded()
             return result
+
+    def _wait_to_retry(
+        self,
+        error: Exception,
+        kind: Kind,
+        failures: int,
+        started: float,
+        deadline: Deadline | None,
+        request: tuple[str, Progress],
+    ) -> None:
+        """After failure number ``failures`` (``error``): wait before the next attempt, or
+        raise when none is due: the policy's budget spent, an endpoint never reached, no
+        answer yet by ``first_byte_timeout``, or the deadline reached while waiting."""
+        op, progress = request
+        spent = self._clock() - started
+        wait = self.policy.wait(failures, spent, self._rng)
+        if wait is None or self._unreached(error, kind, failures):
+            raise error
+        if not self.rate.answered and spent + wait >= self.first_byte_timeout:
+            raise NoAnswer(
+                seconds=self.first_byte_timeout,
+                accepted=_accepted(error),
+                last_error=progress.last_error,
+            ) from error
+        logger.debug(
+            "%s %s failed (%s); retrying in %.2f s", op, progress.target, progress.last_error, wait
+        )
+        if (reached := sleep_within(wait, deadline, progress.token.sleep)) is not None:
+            raise progress.deadline_error(reached) from error  # no retry could begin
 
     def _pace(self, deadline: Deadline | None, progress: Progress) -> None:
         """Wait for the endpoint's shared rate to let this request out; under a deadline, no
