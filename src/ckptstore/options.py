@@ -85,10 +85,13 @@ class StoreOptions:
     replicas: int = 0
     """Copies of each rank's local files kept in the local tier of a rank on another node
     (``save_distributed``), so a lost node resumes from its peers, not the bucket (peers.py)."""
-    spelling: InitVar[Spelling] = PYTHON
+    spelling: InitVar[Spelling | None] = None
+    """How errors name an option (default :data:`PYTHON`). Not a function as the default:
+    ``dataclasses.replace`` reads an init-only field off the instance, where a function
+    default would come back as a bound method."""
 
-    def __post_init__(self, spelling: Spelling) -> None:
-        name = spelling
+    def __post_init__(self, spelling: Spelling | None) -> None:
+        name = spelling or PYTHON
         policy = RetentionPolicy(
             self.keep_last,
             self.keep_every,

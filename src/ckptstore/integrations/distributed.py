@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+W = TypeVar("W")
 
 
 def rank_dir(rank: int) -> str:
@@ -97,10 +99,40 @@ def save_distributed(
     makes every rank fail within the deadline plus that margin.
     """
     step = layout.check_step(step)
+    return save_coordinated(
+        store,
+        step,
+        lambda plan, size: plan.split([rank_dir(r) for r in range(size)]),
+        lambda plan, rank: _stage(store, plan, state, rank, allow_pickle),
+        kind=KIND_STATE,
+        metadata=metadata,
+        group=group,
+    )
+
+
+def save_coordinated(
+    store: CheckpointStore,
+    step: int,
+    cut: Callable[[Plan, int], Sequence[W]],
+    stage: Callable[[W, int], Sequence[FileEntry]],
+    *,
+    kind: str,
+    metadata: Mapping[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+    persist: bool = False,
+) -> CheckpointInfo:
+    """The coordinated save over ``group``, whatever each rank stages; call it on every rank.
+
+    Rank 0 begins the save and calls ``cut(plan, world_size)`` for each rank's work (its cut
+    of the plan, and whatever else it needs); every rank then stages its own files with
+    ``stage(work, rank)`` and rank 0 commits one manifest after every rank reported, as
+    :func:`save_distributed` (which stages encoded state) describes. An error in ``cut`` is
+    every rank's error, and nothing is begun on any other rank.
+    """
     timeout = store.options.save_timeout
     comm = Collectives.past(group, timeout)
     try:  # the deadline is the coordinated save's (coordination.py), on every rank
-        return _save(store, comm, step, state, metadata, allow_pickle)
+        return _save(store, comm, step, cut, stage, kind, metadata, persist)
     except RuntimeError as e:  # a collective gave up waiting: a rank never reported
         raise DistributedCheckpointError(
             f"step {step} was not saved: rank {comm.rank} waited {timeout} s + "
@@ -115,31 +147,36 @@ def _save(
     store: CheckpointStore,
     comm: Collectives,
     step: int,
-    state: Any,
+    cut: Callable[[Plan, int], Sequence[W]],
+    stage: Callable[[W, int], Sequence[FileEntry]],
+    kind: str,
     metadata: Mapping[str, Any] | None,
-    allow_pickle: bool,
+    persist: bool,
 ) -> CheckpointInfo:
-    # 1. Rank 0 begins the coordinated save and hands each rank its plan.
+    # 1. Rank 0 begins the coordinated save and hands each rank its work.
     coordinator: Coordinator | None = None
-    plans: list[Plan | CheckpointError] | None = None
+    works: list[W | CheckpointError] | None = None
     if comm.rank == 0:
         try:
-            coordinator = store.begin_save(step, kind=KIND_STATE, metadata=metadata)
-            plans = [*coordinator.plan.split([rank_dir(r) for r in range(comm.size)])]
+            coordinator = store.begin_save(step, kind=kind, metadata=metadata, persist=persist)
+            works = [*cut(coordinator.plan, comm.size)]
         except Exception as e:
-            plans = [_as_checkpoint_error(e) for _ in range(comm.size)]
-    plan = comm.scatter(plans)
-    if isinstance(plan, CheckpointError):
+            if coordinator is not None:
+                coordinator.discard()
+                coordinator = None
+            works = [_as_checkpoint_error(e) for _ in range(comm.size)]
+    work = comm.scatter(works)
+    if isinstance(work, CheckpointError):
         raise DistributedCheckpointError(
-            f"step {step} was not saved: rank 0: {describe(plan)}",
-            {0: describe(plan)},
+            f"step {step} was not saved: rank 0: {describe(work)}",
+            {0: describe(work)},
             **_step_context(store.uri, step),
-        ) from plan
+        ) from work
     # 2. Every rank stages its own files (in its node's local tier, if the store has one);
     # the entries (or the error) go to rank 0.
     local_error: Exception | None = None
     try:
-        staged = tuple(_stage(store, plan, state, comm.rank, allow_pickle))
+        staged = tuple(stage(work, comm.rank))
         report = Staged(comm.rank, staged, node=store.node)
     except Exception as e:
         local_error, report = e, Staged.failure(comm.rank, e)

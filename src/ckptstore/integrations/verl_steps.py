@@ -8,12 +8,14 @@ resume from it is never committed (:func:`check_complete`).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ckptstore.domain import layout
 from ckptstore.errors import ConflictError, IncompleteCheckpointError
 
 _RANK_FILE = re.compile(r"^(?P<kind>.+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")
+RANK_FILE = _RANK_FILE
+"""The per-rank files verl's FSDP checkpoint manager writes: ``{kind}_world_size_W_rank_R.pt``."""
 
 
 def assign_files(
@@ -73,8 +75,15 @@ def check_complete(paths: Sequence[str], step: int) -> None:
         raise IncompleteCheckpointError(
             f"{where} has no actor/ files; nothing was committed", step=step
         )
+    check_ranks(present, step)
+
+
+def check_ranks(paths: Iterable[str], step: int) -> None:
+    """Refuse a step in which some kind of per-rank file (``model_world_size_W_rank_R.pt``
+    and the like, per folder) lacks one of its ``W`` ranks."""
+    where = layout.step_dir(step)
     ranks: dict[tuple[str, int], set[int]] = {}
-    for path in present:
+    for path in paths:
         folder, _, name = path.rpartition("/")
         match = _RANK_FILE.match(name)
         if match:

@@ -1,0 +1,269 @@
+"""verl's SFT trainer on a store (ckptstore.integrations.verl_sft).
+
+The rules of which rank owns which file run on plain listings. ``test_real_verl_sft_*`` runs
+verl 0.9.1's own SFT trainer (``SFTTrainer.fit``, its FSDP2 engine and ``CheckpointHandler``)
+on two gloo ranks under torchrun, on CPU (verl_cpu.py says how), with a tiny Llama, saving to a
+real S3 server (moto on 127.0.0.1): a job commits step 2, trains step 3 and is killed with
+SIGKILL; a fresh job with empty local directories resumes from the URI alone, and its state
+before and after step 3 is compared bit for bit with the killed job's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptstore
+from ckptstore import CheckpointStore
+from ckptstore.errors import ConfigError, IncompleteCheckpointError
+from ckptstore.integrations.verl_sft_files import (
+    RankFiles,
+    check_sft_complete,
+    include_patterns,
+    saved_world_size,
+)
+from ckptstore.integrations.verl_steps import assign_files
+
+HAVE_VERL = importlib.util.find_spec("verl") is not None
+needs_verl = pytest.mark.skipif(
+    not HAVE_VERL, reason="verl is not installed (pip install 'ckptstore[verl]'; CI installs it)"
+)
+TESTS = Path(__file__).parent
+SHARED = ["fsdp_config.json", "huggingface/config.json", "huggingface/tokenizer.json"]
+
+
+def step_files(rank: int, world: int = 2) -> list[str]:
+    return [f"{k}_world_size_{world}_rank_{rank}.pt" for k in ("model", "optim", "extra_state")]
+
+
+# -- which rank owns what ------------------------------------------------------------------
+
+
+def test_each_rank_offers_its_own_files_and_the_shared_ones_never_another_ranks() -> None:
+    everything = [(p, 10) for r in range(2) for p in step_files(r)]
+    everything += [("data_0.pt", 5), ("data_1.pt", 5)] + [(p, 3) for p in SHARED]
+    one = RankFiles(1, 2, "data_1.pt")
+    offered = [p for p, _ in one.offers(everything)]  # shared storage: rank 1 sees it all
+    assert sorted(offered) == sorted([*step_files(1), "data_1.pt", *SHARED])
+    stale = RankFiles(0, 2, "data_0.pt").owner("model_world_size_4_rank_0.pt")
+    assert stale is False  # a leftover of another world size is nobody's to upload
+
+
+def test_without_shared_storage_every_rank_uploads_its_own_and_rank0_the_shared() -> None:
+    held = {  # two nodes: rank 0 wrote huggingface/ and fsdp_config.json, rank 1 only its own
+        "0": RankFiles(0, 2, "data_0.pt").offers(
+            [(p, 10) for p in step_files(0)] + [("data_0.pt", 5)] + [(p, 3) for p in SHARED]
+        ),
+        "1": RankFiles(1, 2, "data_1.pt").offers([(p, 10) for p in step_files(1)] + [("data_1.pt", 5)]),
+    }
+    shares = assign_files(held, 2)
+    assert sorted(shares["1"]) == sorted([*step_files(1), "data_1.pt"])
+    assert sorted(shares["0"]) == sorted([*step_files(0), "data_0.pt", *SHARED])
+
+
+def test_a_rank_pulls_its_own_files_and_the_shared_ones_only_for_its_node() -> None:
+    paths = [*step_files(0), *step_files(1), "data_0.pt", "data_1.pt", *SHARED]
+    rank1 = RankFiles(1, 2, "data_1.pt")
+    assert sorted(rank1.pulls(paths, shared=False)) == sorted([*step_files(1), "data_1.pt"])
+    assert sorted(rank1.pulls(paths, shared=True)) == sorted([*step_files(1), "data_1.pt", *SHARED])
+    seq_parallel_peer = RankFiles(1, 2, None)  # outputs no data: pulls no data_D.pt
+    assert "data_1.pt" not in seq_parallel_peer.pulls(paths, shared=False)
+
+
+def test_include_patterns_take_names_with_glob_characters_literally() -> None:
+    import fnmatch
+
+    (pattern,) = include_patterns(["huggingface/a[1]*.json"])
+    assert fnmatch.fnmatchcase("huggingface/a[1]*.json", pattern)
+    assert not fnmatch.fnmatchcase("huggingface/a1x.json", pattern)
+
+
+@pytest.mark.parametrize(
+    ("drop", "says"),
+    [
+        ("model_world_size_2_rank_1.pt", "missing for rank(s) 1"),
+        ("optim_world_size_2_rank_0.pt", "missing for rank(s) 0"),
+        ("data_1.pt", "data_1.pt was found on no rank"),
+    ],
+)
+def test_a_step_missing_a_ranks_file_is_refused(drop: str, says: str) -> None:
+    paths = [*step_files(0), *step_files(1), "data_0.pt", "data_1.pt", *SHARED]
+    check_sft_complete(paths, 4, ["data_0.pt", "data_1.pt"])
+    with pytest.raises(IncompleteCheckpointError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        check_sft_complete([p for p in paths if p != drop], 4, ["data_0.pt", "data_1.pt"])
+
+
+def test_a_step_without_model_files_is_refused_and_a_ppo_step_is_not_an_sft_step() -> None:
+    with pytest.raises(IncompleteCheckpointError, match="no model_world_size_W_rank_R.pt"):
+        check_sft_complete(["data_0.pt", *SHARED], 4, ["data_0.pt"])
+    assert saved_world_size(["actor/model_world_size_2_rank_0.pt", "data.pt"]) is None
+    assert saved_world_size([*step_files(0, 4), "data_0.pt"]) == 4
+
+
+def test_store_options_with_retention_survive_dataclasses_replace() -> None:
+    """Every rank but 0 opens the store with the section's options, lease off: replace() of
+    options with a retention key once failed (a function default came back bound)."""
+    import dataclasses
+
+    from ckptstore.options import VERL, StoreOptions
+
+    options = StoreOptions.from_mapping({"keep_last": 2}, spelling=VERL)
+    quiet = dataclasses.replace(options, lease=False, takeover=False)
+    assert (quiet.keep_last, quiet.lease) == (2, False)
+    with pytest.raises(ConfigError, match="keep_last"):
+        dataclasses.replace(options, keep_last=0)
+
+
+# -- the real trainer --------------------------------------------------------------------
+
+
+def save_sft_model(path: Path) -> None:
+    """A one-layer Llama with weights, a word-level tokenizer with a chat template: what verl's
+    SFT trainer loads (``architectures`` for its model config, the template for its dataset)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{f"w{i}": i + 2 for i in range(62)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+
+
+def save_sft_data(path: Path) -> None:
+    import pandas as pd
+
+    rows = [
+        {"messages": [
+            {"role": "user", "content": f"w{i % 60} w{(i * 3) % 60}"},
+            {"role": "assistant", "content": f"w{(i * 7) % 60} w{(i + 5) % 60} w{i % 13}"},
+        ]}
+        for i in range(32)
+    ]  # fmt: skip
+    pd.DataFrame(rows).to_parquet(path)
+
+
+def overrides(root: Path, uri: str, options: dict[str, Any]) -> list[str]:
+    """verl's SFT config for two CPU ranks and a tiny model; the store under trainer.ckptstore."""
+    return [
+        f"model.path={root / 'model'}",
+        f"data.train_files={root / 'train.parquet'}",
+        "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "data.max_length=32",
+        "data.num_workers=0", "data.use_dynamic_bsz=False",
+        "+model.override_config.attn_implementation=eager", "model.use_remove_padding=False",
+        "model.enable_gradient_checkpointing=False",
+        "engine.strategy=fsdp2", "engine.use_torch_compile=False",
+        "trainer.device=cpu", "trainer.logger=[console]", "trainer.total_training_steps=4",
+        "trainer.save_freq=2", "trainer.project_name=tiny-sft", "trainer.experiment_name=gloo",
+        f"+trainer.ckptstore.uri={uri}",
+        "+trainer.ckptstore.keep_last=2",
+        *(f"+trainer.ckptstore.storage_options.{k}={v}" for k, v in options.items()),
+    ]  # fmt: skip
+
+
+def torchrun(root: Path, job: str, kill_at: int, args: list[str]) -> subprocess.CompletedProcess[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    src = str(Path(ckptstore.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(TESTS)]),
+           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(port),
+        str(TESTS / "verl_sft_ranks.py"), str(root), job, str(kill_at), *args,
+    ]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+
+
+def recorded(root: Path, job: str, tag: str, rank: int) -> dict[str, Any]:
+    import torch
+
+    return torch.load(root / job / f"{tag}-rank{rank}.pt", weights_only=False)
+
+
+def assert_same(a: Any, b: Any, where: str) -> None:
+    """Bit-identical, tensors included (equal values, dtypes and shapes)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, type(a)) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+@needs_verl
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_real_verl_sft_saves_every_ranks_share_killed_then_resumes_from_the_uri_bit_identical(
+    tmp_path: Path, s3_uri: str, s3_options: dict[str, Any]
+) -> None:
+    save_sft_model(tmp_path / "model")
+    save_sft_data(tmp_path / "train.parquet")
+    args = overrides(tmp_path, s3_uri, s3_options)
+
+    # 1. Train, commit step 2 (save_freq=2), train step 3, then SIGKILL on every rank.
+    killed = torchrun(tmp_path, "a", 3, args)
+    assert killed.returncode != 0, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert not list((tmp_path / "a").glob("done-*")), "the first job was not killed"
+    for rank in range(2):
+        assert (tmp_path / "a" / f"post-3-rank{rank}.pt").is_file(), killed.stderr[-4000:]
+    store = CheckpointStore(s3_uri, storage_options=s3_options, lease=False)
+    assert [i.step for i in store.list()] == [2]
+    info = store.info(2)
+    names = {f.path for f in info.files}
+    every = {*step_files(0), *step_files(1), "data_0.pt", "data_1.pt", "fsdp_config.json"}
+    assert every <= names and any(n.startswith("huggingface/") for n in names), sorted(names)
+    assert info.metadata["trainer"] == "sft" and info.metadata["global_step"] == 2
+    # rank 1 wrote its files into node1 only: rank 0 could not have uploaded them
+    assert not (tmp_path / "a" / "node0" / "global_step_2" / "model_world_size_2_rank_1.pt").exists()
+
+    # 2. A fresh job, empty local directories: resumes from the URI alone, goes on to step 4.
+    resumed = torchrun(tmp_path, "b", 0, args)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-4000:]
+    for rank in range(2):
+        before = recorded(tmp_path, "b", "pre-3", rank)
+        assert before["resumed"] == 2
+        # model shards, optimizer, lr scheduler and the batch of step 3 (the dataloader's
+        # position) are those of the job that was not interrupted at step 2
+        assert_same(before, {**recorded(tmp_path, "a", "pre-3", rank), "resumed": 2}, f"pre-3 r{rank}")
+        after = recorded(tmp_path, "b", "post-3", rank)
+        assert_same(after, {**recorded(tmp_path, "a", "post-3", rank), "resumed": 2}, f"post-3 r{rank}")
+        with pytest.raises(AssertionError):  # the states compared do change from step to step
+            assert_same(recorded(tmp_path, "a", "pre-2", rank), after, "a step earlier")
+        assert not (tmp_path / "b" / f"pre-2-rank{rank}.pt").exists()  # no step trained twice
+        assert (tmp_path / "b" / f"post-4-rank{rank}.pt").is_file()
+    # each rank pulled its own files; the shared ones once per node directory
+    node1 = tmp_path / "b" / "node1" / "global_step_2"
+    assert not (node1 / "model_world_size_2_rank_0.pt").exists()
+    assert (node1 / "model_world_size_2_rank_1.pt").is_file() and (node1 / "data_1.pt").is_file()
+    store.reload()
+    assert [i.step for i in store.list()] == [2, 4]
+    assert json.loads((tmp_path / "b" / "node0" / "global_step_4" / "fsdp_config.json").read_text())
