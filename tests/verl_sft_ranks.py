@@ -11,8 +11,6 @@ with KILL_AT > 0 every rank kills itself with SIGKILL after recording ``post-KIL
 
 from __future__ import annotations
 
-import verl_cpu  # noqa: F401  (first: verl's platform for CPU)
-
 import os
 import signal
 import sys
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import verl_cpu  # noqa: F401  (first: verl's platform for CPU)
 from ckptstore.integrations.verl_sft import StoreSFTTrainer, run_sft
 
 

@@ -81,7 +81,7 @@ Work = tuple[Plan, list[str]]
 """A rank's part of a save: its cut of the plan and the paths it uploads."""
 
 
-class StoreCheckpointHandler(CheckpointHandler):  # type: ignore[misc]
+class StoreCheckpointHandler(CheckpointHandler):
     """verl's ``CheckpointHandler`` (SPMD) that also commits each save to the store of
     ``trainer.ckptstore`` and resumes from it. Build it on every rank, as verl builds its own.
 
@@ -163,7 +163,7 @@ class StoreCheckpointHandler(CheckpointHandler):  # type: ignore[misc]
     # -- saving ---------------------------------------------------------------------------
 
     def save_checkpoint(self, step: int) -> None:
-        super().save_checkpoint(step)  # every rank's files, data_D.pt, rank 0's tracker
+        super().save_checkpoint(step)  # type: ignore[no-untyped-call]  # verl's own save
         if self.comm.rank == self.node_leader and self.comm.rank != 0:
             self.agent.write_tracker(step)  # verl writes it on rank 0's node only
         self._saves_since += 1
@@ -198,10 +198,12 @@ class StoreCheckpointHandler(CheckpointHandler):  # type: ignore[misc]
 
         def cut(plan: Plan, size: int) -> list[Work]:
             assert listings is not None  # rank 0 only
-            for listing in listings:
+            held_by: dict[str, list[tuple[str, int]]] = {}
+            for rank, listing in enumerate(listings):
                 if isinstance(listing, CheckpointError):
                     raise listing
-            shares = assign_files({str(r): held for r, held in enumerate(listings)}, step)
+                held_by[str(rank)] = listing
+            shares = assign_files(held_by, step)
             check_sft_complete([p for ps in shares.values() for p in ps], step, self.data_files)
             return [(plan.among(shares[str(r)]), shares[str(r)]) for r in range(size)]
 
@@ -239,7 +241,7 @@ class StoreCheckpointHandler(CheckpointHandler):  # type: ignore[misc]
     def load_checkpoint(self) -> int:
         if self.settings.resume and self.resume_mode == "auto" and self.resume_from_path is None:
             self.resumed = self._pull_for_resume()
-        return int(super().load_checkpoint())
+        return int(super().load_checkpoint())  # type: ignore[no-untyped-call]
 
     def _local_step(self) -> int | None:
         """The step this rank's tracker names, if this rank's own files of it are there."""
@@ -265,12 +267,15 @@ class StoreCheckpointHandler(CheckpointHandler):  # type: ignore[misc]
             offer = self.comm.broadcast(offer)
             if offer == "local" or offer == "fresh":
                 if self.comm.rank == 0:
-                    log.info("ckptstore: %s", f"verl resumes from its local step {local}"
-                             if offer == "local" else f"{self.store.uri} is empty: from step 0")  # fmt: skip
+                    said = f"{self.store.uri} is empty: from step 0" if offer == "fresh" else (
+                        f"verl resumes from its local step {local}")  # fmt: skip
+                    log.info("ckptstore: %s", said)
                 return None
             if not isinstance(offer, CheckpointInfo):
-                raise offer if isinstance(offer, CheckpointError) else CheckpointError(
-                    f"{self.store.uri}: rank 0 offered no step to resume from"
+                raise (
+                    offer
+                    if isinstance(offer, CheckpointError)
+                    else CheckpointError(f"{self.store.uri}: rank 0 offered no step to resume from")
                 )
             status: tuple[str, str] | None = None
             try:
@@ -356,7 +361,7 @@ class StoreCheckpointHandler(CheckpointHandler):  # type: ignore[misc]
         self.store.close()
 
 
-class StoreSFTTrainer(SFTTrainer):  # type: ignore[misc]
+class StoreSFTTrainer(SFTTrainer):
     """verl's SPMD ``SFTTrainer`` whose checkpoint handler is :class:`StoreCheckpointHandler`
     (verl's ``_build_ckpt_handler``, with the same arguments, and the store's section)."""
 
@@ -371,27 +376,30 @@ class StoreSFTTrainer(SFTTrainer):  # type: ignore[misc]
             default_hdfs_dir=default_hdfs_dir,
             resume_mode=getattr(trainer, "resume_mode", "auto"),
             resume_from_path=getattr(trainer, "resume_from_path", None),
-            lora_train_meta=self._get_lora_train_meta(),
+            lora_train_meta=self._get_lora_train_meta(),  # type: ignore[no-untyped-call]
             settings=VerlStoreConfig.from_verl(self.config),
             total_steps=self.total_training_steps,
             names={k: getattr(trainer, k, None) for k in ("project_name", "experiment_name")},
         )
 
     def close(self) -> None:
-        self.ckpt_handler.close()
+        """Release the store (the writer lease on rank 0); verl has no end-of-training hook."""
+        handler = self.ckpt_handler
+        if isinstance(handler, StoreCheckpointHandler):
+            handler.close()
 
 
 def run_sft(config: Any, trainer_cls: type[StoreSFTTrainer] = StoreSFTTrainer) -> None:
     """verl's ``run_sft`` with :class:`StoreSFTTrainer` (and a process group the caller set
     up, if it did)."""
     if not dist.is_initialized():
-        initialize_global_process_group()
+        initialize_global_process_group()  # type: ignore[no-untyped-call]
     trainer = trainer_cls(config=config)
     try:
-        trainer.fit()
+        trainer.fit()  # type: ignore[no-untyped-call]
     finally:
         trainer.close()
-    destroy_global_process_group()
+    destroy_global_process_group()  # type: ignore[no-untyped-call]
 
 
 @hydra.main(config_path="pkg://verl.trainer.config", config_name="sft_trainer_engine",
