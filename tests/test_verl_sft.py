@@ -253,7 +253,9 @@ def test_real_verl_sft_saves_every_ranks_share_killed_then_resumes_from_the_uri_
     ).exists()
 
     # 2. A fresh job, empty local directories: resumes from the URI alone, goes on to step 4.
-    resumed = torchrun(tmp_path, "b", 0, args)
+    # Its saves go through a local tier (both ranks' node): step 4, the last, reaches S3 behind.
+    tier = f"+trainer.ckptstore.local={tmp_path / 'b' / 'tier'}"
+    resumed = torchrun(tmp_path, "b", 0, [*args, tier])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-4000:]
     for rank in range(2):
         before = recorded(tmp_path, "b", "pre-3", rank)
@@ -276,5 +278,6 @@ def test_real_verl_sft_saves_every_ranks_share_killed_then_resumes_from_the_uri_
     assert not (node1 / "model_world_size_2_rank_0.pt").exists()
     assert (node1 / "model_world_size_2_rank_1.pt").is_file() and (node1 / "data_1.pt").is_file()
     store.reload()
-    assert [i.step for i in store.list()] == [2, 4]
+    assert [i.step for i in store.list()] == [2, 4]  # keep_last=2; step 4 through the tier
+    assert (tmp_path / "b" / "tier" / "global_step_4").is_dir()
     assert json.loads((tmp_path / "b" / "node0" / "global_step_4" / "fsdp_config.json").read_text())
