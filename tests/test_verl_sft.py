@@ -125,6 +125,35 @@ def test_store_options_with_retention_survive_dataclasses_replace() -> None:
         dataclasses.replace(options, keep_last=0)
 
 
+@needs_verl
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"default_hdfs_dir": "hdfs://nn/sft"}, "set trainer.default_hdfs_dir=null"),
+        ({"mode": "ray"}, "the Ray SFT trainer is not supported"),
+        ({"upload": "driver"}, "every rank uploads its own files"),
+    ],
+)
+def test_the_sft_handler_refuses_what_would_not_store_every_ranks_files(
+    tmp_path: Path, given: dict[str, Any], says: str
+) -> None:
+    from verl.utils.checkpoint import OrchestrationMode
+
+    from ckptstore.integrations.verl_config import VerlStoreConfig
+    from ckptstore.integrations.verl_sft import StoreCheckpointHandler
+
+    section = {"uri": str(tmp_path / "store"), **({"upload": "driver"} if "upload" in given else {})}
+    settings = VerlStoreConfig.from_verl({"trainer": {"ckptstore": section}})
+    kwargs: dict[str, Any] = {"default_local_dir": str(tmp_path / "ckpt")}
+    if "default_hdfs_dir" in given:
+        kwargs["default_hdfs_dir"] = given["default_hdfs_dir"]
+    if "mode" in given:
+        kwargs["mode"] = OrchestrationMode.RAY
+    with pytest.raises(ConfigError, match=says):
+        StoreCheckpointHandler(None, None, settings=settings, **kwargs)
+    assert not (tmp_path / "store").exists()  # refused before the store was opened
+
+
 # -- the real trainer --------------------------------------------------------------------
 
 
@@ -247,6 +276,8 @@ def test_real_verl_sft_saves_every_ranks_share_killed_then_resumes_from_the_uri_
     every = {*step_files(0), *step_files(1), "data_0.pt", "data_1.pt", "fsdp_config.json"}
     assert every <= names and any(n.startswith("huggingface/") for n in names), sorted(names)
     assert info.metadata["trainer"] == "sft" and info.metadata["global_step"] == 2
+    tracker = tmp_path / "a" / "node1" / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text() == "2"  # verl writes it on rank 0's node; rank 1's has it too
     # rank 1 wrote its files into node1 only: rank 0 could not have uploaded them
     assert not (
         tmp_path / "a" / "node0" / "global_step_2" / "model_world_size_2_rank_1.pt"
