@@ -142,7 +142,10 @@ def test_the_sft_handler_refuses_what_would_not_store_every_ranks_files(
     from ckptstore.integrations.verl_config import VerlStoreConfig
     from ckptstore.integrations.verl_sft import StoreCheckpointHandler
 
-    section = {"uri": str(tmp_path / "store"), **({"upload": "driver"} if "upload" in given else {})}
+    section = {
+        "uri": str(tmp_path / "store"),
+        **({"upload": "driver"} if "upload" in given else {}),
+    }
     settings = VerlStoreConfig.from_verl({"trainer": {"ckptstore": section}})
     kwargs: dict[str, Any] = {"default_local_dir": str(tmp_path / "ckpt")}
     if "default_hdfs_dir" in given:
@@ -203,9 +206,9 @@ def overrides(root: Path, uri: str, options: dict[str, Any]) -> list[str]:
         "model.enable_gradient_checkpointing=False",
         "engine.strategy=fsdp2", "engine.use_torch_compile=False",
         "trainer.device=cpu", "trainer.logger=[console]", "trainer.total_training_steps=4",
-        "trainer.save_freq=2", "trainer.project_name=tiny-sft", "trainer.experiment_name=gloo",
+        "trainer.save_freq=1", "trainer.project_name=tiny-sft", "trainer.experiment_name=gloo",
         f"+trainer.ckptstore.uri={uri}",
-        "+trainer.ckptstore.keep_last=2",
+        "+trainer.ckptstore.keep_last=3",
         *(f"+trainer.ckptstore.storage_options.{k}={v}" for k, v in options.items()),
     ]  # fmt: skip
 
@@ -257,20 +260,20 @@ def assert_same(a: Any, b: Any, where: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_real_verl_sft_saves_every_ranks_share_killed_then_resumes_from_the_uri_bit_identical(
-    tmp_path: Path, s3_uri: str, s3_options: dict[str, Any]
+    tmp_path: Path, s3_uri: str, s3_options: dict[str, Any], s3_client: Any, s3_bucket: str
 ) -> None:
     save_sft_model(tmp_path / "model")
     save_sft_data(tmp_path / "train.parquet")
     args = overrides(tmp_path, s3_uri, s3_options)
 
-    # 1. Train, commit step 2 (save_freq=2), train step 3, then SIGKILL on every rank.
+    # 1. Train, commit steps 1 and 2 (save_freq=1), train step 3, then SIGKILL on every rank.
     killed = torchrun(tmp_path, "a", 3, args)
     assert killed.returncode != 0, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert not list((tmp_path / "a").glob("done-*")), "the first job was not killed"
     for rank in range(2):
         assert (tmp_path / "a" / f"post-3-rank{rank}.pt").is_file(), killed.stderr[-4000:]
     store = CheckpointStore(s3_uri, storage_options=s3_options, lease=False)
-    assert [i.step for i in store.list()] == [2]
+    assert [i.step for i in store.list()] == [1, 2]
     info = store.info(2)
     names = {f.path for f in info.files}
     every = {*step_files(0), *step_files(1), "data_0.pt", "data_1.pt", "fsdp_config.json"}
@@ -282,33 +285,38 @@ def test_real_verl_sft_saves_every_ranks_share_killed_then_resumes_from_the_uri_
     assert not (
         tmp_path / "a" / "node0" / "global_step_2" / "model_world_size_2_rank_1.pt"
     ).exists()
+    # rot one byte of rank 1's model shard of step 2 in the bucket
+    (entry,) = [f for f in info.files if f.path == "model_world_size_2_rank_1.pt"]
+    key = f"{s3_uri.split('/', 3)[3]}/{entry.key(2)}"
+    body = bytearray(s3_client.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    s3_client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
 
-    # 2. A fresh job, empty local directories: resumes from the URI alone, goes on to step 4.
-    # Its saves go through a local tier (both ranks' node): step 4, the last, reaches S3 behind.
+    # 2. A fresh job, empty local directories: resumes from the URI alone, from step 1 (step 2
+    # fails verification on rank 1, so on every rank), saves step 2 again in its place and goes
+    # on to step 4, through a local tier (both ranks' node) whose steps reach S3 behind.
     tier = f"+trainer.ckptstore.local={tmp_path / 'b' / 'tier'}"
     resumed = torchrun(tmp_path, "b", 0, [*args, tier])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-4000:]
     for rank in range(2):
-        before = recorded(tmp_path, "b", "pre-3", rank)
-        assert before["resumed"] == 2
-        # model shards, optimizer, lr scheduler and the batch of step 3 (the dataloader's
-        # position) are those of the job that was not interrupted at step 2
-        assert_same(
-            before, {**recorded(tmp_path, "a", "pre-3", rank), "resumed": 2}, f"pre-3 r{rank}"
-        )
-        after = recorded(tmp_path, "b", "post-3", rank)
-        assert_same(
-            after, {**recorded(tmp_path, "a", "post-3", rank), "resumed": 2}, f"post-3 r{rank}"
-        )
+        assert recorded(tmp_path, "b", "pre-2", rank)["resumed"] == 1
+        # model shards, optimizer, lr scheduler and the batch of each step (the dataloader's
+        # position) are those of the job that was not interrupted, before and after each step
+        for tag in ("pre-2", "post-2", "pre-3", "post-3"):
+            mine = recorded(tmp_path, "b", tag, rank)
+            assert_same(
+                mine, {**recorded(tmp_path, "a", tag, rank), "resumed": 1}, f"{tag} r{rank}"
+            )
         with pytest.raises(AssertionError):  # the states compared do change from step to step
-            assert_same(recorded(tmp_path, "a", "pre-2", rank), after, "a step earlier")
-        assert not (tmp_path / "b" / f"pre-2-rank{rank}.pt").exists()  # no step trained twice
+            assert_same(recorded(tmp_path, "a", "pre-2", rank), mine, "a step earlier")
+        assert not (tmp_path / "b" / f"pre-1-rank{rank}.pt").exists()  # no step trained twice
         assert (tmp_path / "b" / f"post-4-rank{rank}.pt").is_file()
     # each rank pulled its own files; the shared ones once per node directory
-    node1 = tmp_path / "b" / "node1" / "global_step_2"
+    node1 = tmp_path / "b" / "node1" / "global_step_1"
     assert not (node1 / "model_world_size_2_rank_0.pt").exists()
     assert (node1 / "model_world_size_2_rank_1.pt").is_file() and (node1 / "data_1.pt").is_file()
+    assert (node1 / "fsdp_config.json").is_file()
     store.reload()
-    assert [i.step for i in store.list()] == [2, 4]  # keep_last=2; step 4 through the tier
+    assert [i.step for i in store.list()] == [2, 3, 4]  # keep_last=3; step 2 replaced
+    store.pull_dir(tmp_path / "step2", step=2, fallback=False)  # verifies every byte
     assert (tmp_path / "b" / "tier" / "global_step_4").is_dir()
-    assert json.loads((tmp_path / "b" / "node0" / "global_step_4" / "fsdp_config.json").read_text())

@@ -136,6 +136,9 @@ class StoreCheckpointHandler(CheckpointHandler):
         self._failures = 0
         self.resumed: int | None = None
         """The store's step this job pulled to resume from, if it did."""
+        self.skipped: set[int] = set()
+        """Newer steps of the store that failed verification at resume: replaced when this
+        job saves those step numbers again."""
 
     def _open(self) -> CheckpointStore:
         """Rank 0 holds the writer lease (taken now, so a second live job fails at start);
@@ -192,8 +195,11 @@ class StoreCheckpointHandler(CheckpointHandler):
         held: list[tuple[str, int]] | CheckpointError
         try:
             held = self.files.offers(self.agent.list_step(step))
+            if step in self.skipped and self.comm.rank == 0:
+                self._drop_skipped(step)
         except (OSError, CheckpointError) as e:
             held = CheckpointError(f"rank {self.comm.rank}: {describe(e)}", step=step)
+        self.skipped.discard(step)
         listings = self.comm.gather(held)
 
         def cut(plan: Plan, size: int) -> list[Work]:
@@ -217,6 +223,15 @@ class StoreCheckpointHandler(CheckpointHandler):
         return save_coordinated(
             self.store, step, cut, stage, kind=KIND_DIRECTORY, metadata=meta, persist=persist
         )
+
+    def _drop_skipped(self, step: int) -> None:
+        """Rank 0: delete the store's ``step``, which failed verification at resume, so this
+        job's save of it takes its place."""
+        log.warning(
+            "replacing step %d in %s, which failed verification at resume", step, self.store.uri
+        )
+        if any(i.step == step for i in self.store.list()):
+            self.store.delete(step, force=True)
 
     def _failed(self, step: int, error: CheckpointError) -> None:
         """A commit failed on every rank: log and count it; ``max_failed_saves`` in a row
@@ -301,6 +316,7 @@ class StoreCheckpointHandler(CheckpointHandler):
                     uri=offer.uri,
                     step=offer.step,
                 )
+            self.skipped.add(offer.step)
             if search is not None:
                 search.failed(offer, CorruptCheckpointError(listed, uri=offer.uri, step=offer.step))
 
