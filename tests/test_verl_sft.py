@@ -11,7 +11,6 @@ before and after step 3 is compared bit for bit with the killed job's.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import socket
