@@ -156,6 +156,30 @@ def test_the_sft_handler_refuses_what_would_not_store_every_ranks_files(
     assert not (tmp_path / "store").exists()  # refused before the store was opened
 
 
+@needs_verl
+@pytest.mark.slow
+def test_the_entry_point_composes_verls_sft_config_with_the_store_section(tmp_path: Path) -> None:
+    """``python -m ckptstore.integrations.verl_sft`` is Hydra's main over verl's own
+    ``sft_trainer_engine`` config (``--cfg job`` prints it and stops before training)."""
+    store = tmp_path / "store"
+    args = [f"trainer.default_local_dir={tmp_path}", "trainer.save_freq=7",
+            f"+trainer.ckptstore.uri={store}", "+trainer.ckptstore.keep_last=2"]  # fmt: skip
+    src = str(Path(ckptstore.__file__).parents[1])
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptstore.integrations.verl_sft", "--cfg", "job", *args],
+        env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create(done.stdout)
+    assert config.trainer.save_freq == 7 and config.trainer.default_hdfs_dir is None
+    assert config.engine.strategy == "fsdp" and config.data.train_batch_size == 256  # verl's
+    assert OmegaConf.to_container(config.trainer.ckptstore) == {
+        "uri": str(tmp_path / "store"), "keep_last": 2,
+    }  # fmt: skip
+
+
 # -- the real trainer --------------------------------------------------------------------
 
 
