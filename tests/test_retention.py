@@ -33,6 +33,7 @@ from ckptstore.domain.retention import (
     steps_to_delete,
 )
 from ckptstore.errors import ConfigError
+from ckptstore.protocol.step_index import StepIndex
 from counting import CountingBackend
 from parts import committer_for
 
@@ -431,6 +432,7 @@ def write_manifest(root: Path, step: int, created: float, **metadata: Any) -> No
     """A step committed by another writer, which has not moved ``latest`` to it (yet)."""
     environment = CheckpointStore(str(root), lease=False).environment
     manifest = Manifest(step, created, KIND_STATE, (), environment, "other", metadata=metadata)
+    StepIndex(LocalBackend(str(root), {})).announce(step, "other")  # as a writer does, first
     target = root / layout.manifest_path(step)
     target.parent.mkdir(parents=True)
     target.write_bytes(manifest.encode())

@@ -38,6 +38,8 @@ from ckptstore.domain.manifest import (
 )
 from ckptstore.errors import (
     CheckpointError,
+    CompatibilityError,
+    CorruptCheckpointError,
     DeadlineExceededError,
     NotFoundError,
     ObjectExistsError,
@@ -77,6 +79,30 @@ class Remover:
         self.sleep = sleep
 
     def uncommit(self, step: int) -> None:
+        """Delete one committed step (:meth:`uncommit_all`)."""
+        self.uncommit_all([step])
+
+    def uncommit_all(self, steps: Iterable[int]) -> list[int]:
+        """Delete committed steps, a batch of up to a segment's size at a time: the step index
+        claims the batch first (readers then look at those manifests instead of trusting the
+        index), and drops it once every step of it is gone (step_index.py). A failure to drop
+        is logged: the claims stay, and readers repair the index. Returns the steps that
+        were committed (and readable) and are gone now: a removal found half done is
+        finished, an unreadable manifest left alone."""
+        chosen: list[int] = list(steps)
+        removed: list[int] = []
+        size = self.catalog.index.segment_size
+        for batch in (chosen[i : i + size] for i in range(0, len(chosen), size)):
+            self.catalog.index.removing(batch)
+            removed += [step for step in batch if self._uncommit(step)]
+            try:
+                self.catalog.index.drop(batch)
+            except CheckpointError as e:
+                log.warning("%s: removed steps stay in the step index (%s); readers drop "
+                            "them", self.backend.uri, e)  # fmt: skip
+        return removed
+
+    def _uncommit(self, step: int) -> bool:
         """Delete a committed step: its manifest is swapped for a tombstone first (the step is
         uncommitted from that instant), then the files it lists go, then the tombstone. A
         delete that dies half-way leaves a tombstone and files that ``gc`` removes, never a
@@ -86,10 +112,16 @@ class Remover:
         try:
             data, version = self.backend.read_versioned(path)
         except NotFoundError:
-            return
+            return False
         if is_tombstone(data):
-            return
-        manifest = Manifest.decode(data, where=self.catalog.uri(path))
+            if tombstone_of_commit(data):
+                self.roll_forward(step)
+            return False
+        try:
+            manifest = Manifest.decode(data, where=self.catalog.uri(path))
+        except (CorruptCheckpointError, CompatibilityError) as e:
+            log.warning("step %d is left alone: %s", step, e)
+            return False
         attempts = {f.attempt for f in manifest.files if f.attempt is not None}
         tombstone = encode_tombstone(self.writer, self.clock(), attempts, committed=True)
         self._swap(path, tombstone, version)
@@ -97,6 +129,7 @@ class Remover:
         markers = {layout.attempt_marker_path(step, a) for a in attempts}
         delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
         self.drop_tombstone(step)
+        return True
 
     def roll_forward(self, step: int) -> list[str] | None:
         """Finish an uncommit that died half-way (its tombstone stands): delete what is left
