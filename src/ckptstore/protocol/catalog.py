@@ -88,6 +88,9 @@ class Catalog:
         self.sleep = sleep
         self._manifests: dict[int, Manifest] = {}
         self._lock = threading.Lock()
+        self.half_removed: set[int] = set()
+        """Steps the index claims are being removed whose tombstone a reader found: a prune
+        finishes their removal (pruning.py)."""
         self.index = StepIndex(backend, sleep=sleep, segment_size=segment_size)
 
     def uri(self, path: str) -> str:
@@ -286,7 +289,9 @@ class Catalog:
                 summaries[step] = summary
                 continue
             summaries.pop(step, None)
-            if state is StepState.UNREADABLE:
+            if state is StepState.REMOVING:
+                self.half_removed.add(step)
+            elif state is StepState.UNREADABLE:
                 broken[step] = CorruptCheckpointError(f"step {step}: unreadable manifest")
             elif step not in pending or stale(pending[step], now):
                 gone.append(step)

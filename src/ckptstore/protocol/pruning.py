@@ -83,6 +83,9 @@ class Pruner:
         chosen = steps_to_delete(self.policy, steps, latest=latest, pinned=self.pins.steps())
         if dry_run:
             return chosen
+        for step in sorted(self.catalog.half_removed):  # a removal killed half-way
+            self.remover.roll_forward(step)
+            self.catalog.half_removed.discard(step)
         doomed = self.remover.uncommit_all(chosen)
         if doomed:
             log.info("retention deleted %d steps from %s: %s", len(doomed),
