@@ -30,6 +30,13 @@ class StoreUpkeep(StoreEngines):
         """``verify`` for every committed step, including those with unreadable manifests."""
         return self._maintenance.verify_all()
 
+    def rebuild_index(self) -> int:
+        """Rebuild the step index from the manifests (docs/design.md "The step index");
+        returns how many committed steps it holds. Readers repair the index by themselves:
+        this is for an index that older ckptstore versions left behind, or that lists a step
+        someone deleted by hand."""
+        return self._catalog.rebuild_index()
+
     def pin(self, step: int) -> None:
         """Protect a committed step from retention until ``unpin``."""
         self._maintenance.pin(layout.check_step(step))

@@ -46,6 +46,26 @@ def prune_command(ctx: click.Context, uri: str, dry_run: bool) -> None:
     emit(ctx, data, f"{verb} steps: {step_list(doomed)}\nkept steps: {step_list(kept)}")
 
 
+@click.command("index")
+@click.argument("uri")
+@click.option("--rebuild", is_flag=True, help="Rebuild the step index from the manifests.")
+@common_options
+@click.pass_context
+def index_command(ctx: click.Context, uri: str, rebuild: bool) -> None:
+    """Show the step index of URI (how many steps it lists in how many requests), or rebuild
+    it from the manifests with --rebuild. Readers keep the index repaired by themselves;
+    rebuild after steps were deleted by hand or written by a ckptstore without the index."""
+    store = open_store(ctx, uri)
+    if rebuild:
+        count = store.rebuild_index()
+        data = {"uri": store.uri, "rebuilt": True, "steps": count}
+        emit(ctx, data, f"rebuilt the step index of {store.uri}: {plural(count, 'step')}")
+        return
+    count = len(store.list())
+    data = {"uri": store.uri, "rebuilt": False, "steps": count}
+    emit(ctx, data, f"the step index of {store.uri} lists {plural(count, 'step')}")
+
+
 @click.command("pin")
 @click.argument("uri")
 @click.argument("step", type=STEP)
@@ -190,4 +210,4 @@ def gc_command(ctx: click.Context, uri: str, dry_run: bool, older_than: float) -
     emit(ctx, data, "\n".join(lines))
 
 
-COMMANDS = [prune_command, pin_command, unpin_command, rm_command, gc_command]
+COMMANDS = [prune_command, pin_command, unpin_command, rm_command, gc_command, index_command]

@@ -75,7 +75,10 @@ class CheckpointInfo:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled with its manifest (read now if need be), never with the catalog."""
-        return (CheckpointInfo, (self.uri, self.summary, self.stats, self.tier, None, self.manifest))
+        return (
+            CheckpointInfo,
+            (self.uri, self.summary, self.stats, self.tier, None, self.manifest),
+        )
 
     @cached_property
     def manifest(self) -> Manifest:

@@ -267,6 +267,27 @@ class Catalog:
             log.info("%s: the step index was not written: %s", self.backend.uri, e)
         return found, broken
 
+    def rebuild_index(self) -> int:
+        """Rebuild the step index from the manifests (``ckptstore index --rebuild``): every
+        summary it held is replaced by one read now; writers' claims stay. Returns how many
+        steps it holds. Retried while removals race it (a removal dropped steps meanwhile)."""
+        for _ in range(3):
+            try:
+                head, _ = self.index.read_head()
+            except CorruptCheckpointError:
+                head = None
+            self.forget_all()
+            committed, _broken = self.scan()
+            found = [Summary.of(m) for m in committed]
+            removals = head.removals if head is not None else None
+            if self.index.rebuild(found, merge=False, removals=removals):
+                return len(found)
+        raise BackendError(
+            f"{self.index.uri}: the step index could not be rebuilt (removals or writers kept "
+            "changing it); try again",
+            retryable=True,
+        )
+
     def _checked(
         self, snapshot: Snapshot
     ) -> tuple[builtins.list[Summary], dict[int, CheckpointError]]:
@@ -298,7 +319,9 @@ class Catalog:
         self._repair(added, gone, head.removals)
         return sorted(summaries.values(), key=lambda s: s.step), broken
 
-    def _repair(self, added: builtins.list[Summary], gone: builtins.list[int], removals: int) -> None:
+    def _repair(
+        self, added: builtins.list[Summary], gone: builtins.list[int], removals: int
+    ) -> None:
         try:
             if added:
                 self.index.update(
