@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ckptstore.backends.base import Backend, join
 from ckptstore.deadline import map_in_context
+from ckptstore.domain import layout
 from ckptstore.domain.step_index import (
     HEAD_NAME,
     SEGMENT_SIZE,
@@ -45,6 +46,10 @@ from ckptstore.protocol.cas import BACKOFF, MAX_SWAP_ATTEMPTS
 
 log = logging.getLogger(__name__)
 
+SEGMENTS_PER_PACK = 10
+"""A sealed segment grows by a head-full at a time up to this many (10,000 summaries by
+default, about 3 MB): fewer, larger objects are what makes a listing fast, and rewriting one
+costs a save only once per head-full."""
 SEGMENT_THREADS = 8
 """Sealed segments fetched at once by a reader that has not cached them."""
 STALE_PENDING = 24 * 3600.0
@@ -135,19 +140,20 @@ class StepIndex:
     def announce(self, step: int, writer: str) -> None:
         """Claim ``step`` before its manifest is written (module doc)."""
         claim = Pending(step, writer, self.clock())
-        self.update(lambda head: _or_new(head).with_pending(claim), f"announce step {step}")
+        change = lambda head: self._or_new(head, step).with_pending(claim)  # noqa: E731
+        self.update(change, f"announce step {step}")
 
     def add(self, summaries: Iterable[Summary]) -> None:
         """Record committed steps (their claims go)."""
         chosen = list(summaries)
         what = f"add step {chosen[0].step}" if len(chosen) == 1 else "add steps"
-        self.update(lambda head: _or_new(head).with_summaries(chosen), what)
+        self.update(lambda head: self._or_new(head).with_summaries(chosen), what)
 
     def removing(self, steps: Iterable[int]) -> None:
         """Claim steps about to be uncommitted: readers check them against their manifests."""
         chosen = list(steps)
         if chosen:
-            self.update(lambda head: _or_new(head).with_removing(chosen), "claim removals")
+            self.update(lambda head: self._or_new(head).with_removing(chosen), "claim removals")
 
     def drop(self, steps: Iterable[int], *, removals: int | None = None) -> bool:
         """Take steps out of the index (and their claims), rewriting the sealed segments that
@@ -160,7 +166,7 @@ class StepIndex:
         def change(head: Head | None) -> Head | None:
             if removals is not None and (head is None or head.removals != removals):
                 return None
-            head = _or_new(head)
+            head = self._or_new(head)
             names = []
             for name, segment in zip(head.segments, self.segments(head.segments), strict=True):
                 if not any(s.step in doomed for s in segment):
@@ -204,12 +210,20 @@ class StepIndex:
         )
 
     def _sealed(self, head: Head) -> Head:
-        """The head with its oldest summaries moved into sealed segments while it is full."""
+        """The head with its oldest summaries moved into a sealed segment while it is full:
+        merged into the newest sealed segment while that holds fewer than
+        :data:`SEGMENTS_PER_PACK` head-fulls (so a reader of 10,000 steps GETs two objects),
+        else into a new one."""
         while len(head.steps) >= self.segment_size:
-            sealed, rest = head.steps[: self.segment_size], head.steps[self.segment_size :]
-            name = self._write_segment(sealed)
-            head = Head((*head.segments, name), rest, head.pending, head.removing,
-                        head.complete, head.removals)  # fmt: skip
+            batch, rest = head.steps[: self.segment_size], head.steps[self.segment_size :]
+            names = list(head.segments)
+            last = self.segments(names[-1:])
+            if last and len(last[0]) + len(batch) <= self.segment_size * SEGMENTS_PER_PACK:
+                names[-1] = self._write_segment((*last[0], *batch))
+            else:
+                names.append(self._write_segment(batch))
+            head = Head(tuple(names), rest, head.pending, head.removing, head.complete,
+                        head.removals)  # fmt: skip
         return head
 
     def _write_segment(self, summaries: Iterable[Summary]) -> str:
@@ -258,9 +272,11 @@ class StepIndex:
         ordered = sorted(steps.values(), key=lambda s: s.step)
         pending = tuple(p for p in keep.pending if p.step not in steps)
         names: list[str] = []
+        pack = self.segment_size * SEGMENTS_PER_PACK
         while len(ordered) >= self.segment_size:
-            names.append(self._write_segment(ordered[: self.segment_size]))
-            ordered = ordered[self.segment_size :]
+            size = min(pack, len(ordered) - len(ordered) % self.segment_size)
+            names.append(self._write_segment(ordered[:size]))
+            ordered = ordered[size:]
         new = Head(tuple(names), tuple(ordered), pending, keep.removing, True, keep.removals)
         try:
             swapped = self.backend.swap(HEAD_NAME, new.encode(), version)
@@ -270,6 +286,15 @@ class StepIndex:
         self._last = (new, swapped)
         self._delete(n for n in keep.segments if n not in set(names))
         return True
+
+    def _or_new(self, head: Head | None, announced: int | None = None) -> Head:
+        """A head to change: without an index, a new one, complete if the store holds no
+        step directory but the ``announced`` step's (one listing, once per store), else one
+        that readers complete from the manifests."""
+        if head is not None:
+            return head
+        found = (layout.parse_step_dir(name) for name in self.backend.list_dirs(""))
+        return Head(complete=all(step in (None, announced) for step in found))
 
     def _landed(self, data: bytes) -> str | None:
         """The head's version if it holds exactly ``data``, else ``None``."""
@@ -297,11 +322,6 @@ class StepIndex:
     def forget(self) -> None:
         """Forget the head this process wrote last (another process changed the store)."""
         self._last = None
-
-
-def _or_new(head: Head | None) -> Head:
-    """A head to add to: without an index, one that readers complete from the manifests."""
-    return head if head is not None else Head(complete=False)
 
 
 def stale(claim: Pending, now: float) -> bool:
