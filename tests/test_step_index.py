@@ -159,7 +159,7 @@ def test_an_index_of_a_newer_schema_is_refused_never_overwritten(tmp_path: Path)
     fill(tmp_path, 3)
     newer = b'{"schema_version": 2, "anything": "a newer ckptstore writes"}'
     (tmp_path / HEAD_NAME).write_bytes(newer)
-    with pytest.raises(CompatibilityError, match="newer ckptstore.*upgrade ckptstore"):
+    with pytest.raises(CompatibilityError, match=r"newer ckptstore.*upgrade ckptstore"):
         parts(LocalBackend(str(tmp_path), {}))[0].list()
     with pytest.raises(CompatibilityError, match="upgrade"):
         commit(parts(LocalBackend(str(tmp_path), {}))[1], 3)
