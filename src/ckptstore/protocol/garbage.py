@@ -120,6 +120,7 @@ class GarbageCollector:
         for step in sorted(listing.steps):
             self._collect_step(step, listing.steps[step], step in pinned, found)
         pins = self._stale_pins(listing.pins, found.committed)
+        pins += self.catalog.index.orphans(self.cutoff)  # and what the step index dropped
         kept = tuple(k + "/" for k in found.kept)
         partial = [  # an abandoned upload's writer gave up on it: dead, however young
             p

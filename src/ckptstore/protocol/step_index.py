@@ -27,6 +27,7 @@ from ckptstore.deadline import map_in_context
 from ckptstore.domain import layout
 from ckptstore.domain.step_index import (
     HEAD_NAME,
+    INDEX_DIR,
     SEGMENT_SIZE,
     Head,
     Pending,
@@ -116,7 +117,11 @@ class StepIndex:
             summaries = {s.step: s for segment in segments for s in segment}
             summaries.update((s.step, s) for s in head.steps)
             return Snapshot(head, version, summaries)
-        raise BackendError(f"{self.uri}: the index kept changing while it was read; try again")
+        raise CorruptCheckpointError(
+            f"{self.uri}: unreadable index head: it names a segment that is gone (deleted by "
+            "hand, or by a gc racing a writer); it is ignored and rebuilt from the manifests",
+            uri=self.uri,
+        )
 
     def segments(self, names: Iterable[str]) -> list[tuple[Summary, ...]]:
         """Sealed segments by name (cached: a sealed segment never changes)."""
@@ -318,6 +323,22 @@ class StepIndex:
             return self.backend.read_versioned(HEAD_NAME)[1]
         except NotFoundError:
             return None
+
+    def orphans(self, cutoff: float) -> list[str]:
+        """Sealed segments no head names, last written before ``cutoff`` (a writer killed
+        between writing one and the swap that would have named it): for gc (one listing)."""
+        try:
+            head, _ = self.read_head()
+        except CorruptCheckpointError:
+            return []  # the next reader rebuilds it; what it names is unknown meanwhile
+        named = set(head.segments) if head is not None else set()
+        return [
+            o.path
+            for o in self.backend.list(INDEX_DIR + "/")
+            if o.path.rsplit("/", 1)[-1].startswith("seg-")
+            and o.path.rsplit("/", 1)[-1] not in named
+            and (o.mtime is None or o.mtime < cutoff)
+        ]
 
     def forget(self) -> None:
         """Forget the head this process wrote last (another process changed the store)."""
