@@ -47,7 +47,7 @@ from typing import Any
 from unittest import mock
 
 from ckptstore.protocol.lease_record import Process
-from harness.cleanup import Final, only_committed_left
+from harness.cleanup import Final, index_agrees, only_committed_left
 from harness.invariants import (
     READS,
     WRITES,
@@ -239,7 +239,7 @@ def _after_run(
         raise ExplorerError(f"the invariant checker failed: {error!r}") from error
     for actor, failure in world.scheduler.failures.items():
         return Violation("actors-fail-cleanly", f"{actor} raised {short(repr(failure))}", -1)
-    for final in (*finals, only_committed_left):
+    for final in (*finals, only_committed_left, index_agrees):
         found = final(checker, events)
         if found is not None:
             return found

@@ -139,14 +139,15 @@ class Head:
     """How many times steps were dropped: a reader's repair from what it read before is
     refused once this moved (the steps it saw committed may be gone since)."""
 
-    def dropped(self, steps: set[int], segments: tuple[str, ...]) -> Head:
-        """``steps`` gone from the open segment and the claims; ``segments`` the sealed
-        segments rewritten without them."""
+    def dropped(self, steps: set[int], segments: tuple[str, ...], *, claims: bool = True) -> Head:
+        """``steps`` gone from the open segment (and, with ``claims``, from the claims);
+        ``segments`` the sealed segments rewritten without them."""
+        gone = steps if claims else set()
         return Head(
             segments,
             tuple(s for s in self.steps if s.step not in steps),
-            tuple(p for p in self.pending if p.step not in steps),
-            tuple(s for s in self.removing if s not in steps),
+            tuple(p for p in self.pending if p.step not in gone),
+            tuple(s for s in self.removing if s not in gone),
             self.complete,
             self.removals + 1,
         )
@@ -166,6 +167,14 @@ class Head:
         pending = tuple(p for p in self.pending if p.step not in new)
         return Head(self.segments, _sorted(steps.values()), pending, self.removing, self.complete,
                     self.removals)  # fmt: skip
+
+    def with_claimed(self, summaries: Iterable[Summary], writer: str) -> Head | None:
+        """Summaries added for the steps ``writer`` still claims (others are skipped: a
+        removal dropped the claim, or a reader already added the step from its manifest);
+        ``None`` if none is."""
+        mine = {p.step for p in self.pending if p.writer == writer}
+        chosen = [s for s in summaries if s.step in mine]
+        return self.with_summaries(chosen) if chosen else None
 
     def with_pending(self, claim: Pending) -> Head:
         pending = (*(p for p in self.pending if p.step != claim.step), claim)

@@ -237,7 +237,7 @@ class Committer:
         """Record a committed step in the step index (step_index.py). A failure is logged:
         the step is committed, and its claim makes readers add it."""
         try:
-            self.catalog.index.add([Summary.of(manifest)])
+            self.catalog.index.add([Summary.of(manifest)], self.writer)
         except CheckpointError as e:
             log.warning(
                 "%s: step %d is committed but the step index was not updated (%s); readers "

@@ -59,7 +59,7 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     NotFoundError,
 )
-from ckptstore.protocol.catalog import Catalog
+from ckptstore.protocol.catalog import Catalog, StepState
 from ckptstore.protocol.lease_record import Process, read_lease
 from ckptstore.protocol.removal import Remover, delete_attempt_files
 
@@ -128,6 +128,7 @@ class GarbageCollector:
             if p.abandoned or (_old(p.started, self.cutoff) and not p.path.startswith(kept))
         ]
         if not self.dry_run:
+            self._forget_in_index(found.committed)
             self.backend.delete(pins)
             for upload in partial:
                 self.backend.abort(upload)
@@ -256,6 +257,24 @@ class GarbageCollector:
             return self.backend.read(layout.manifest_path(step))
         except NotFoundError:
             return None
+
+    def _forget_in_index(self, committed: set[int]) -> None:
+        """Drop from the step index the steps it lists that have no manifest (deleted by
+        hand, or by a ckptstore without the index), each confirmed by a read of its
+        manifest key now; claims stay (their writers, or readers, settle them)."""
+        try:
+            snapshot = self.catalog.index.snapshot()
+        except CheckpointError:
+            return  # unreadable: the next reader rebuilds it; newer: not ours to change
+        if snapshot is None:
+            return
+        claimed = {p.step for p in snapshot.head.pending} | set(snapshot.head.removing)
+        stale = [s for s in snapshot.summaries if s not in committed and s not in claimed]
+        stale = [s for s in stale if not self.catalog.state_of(s, fresh=True).committed]
+        if stale:
+            self.catalog.index.drop(stale, removals=snapshot.head.removals, claims=False)
+            log.info("%s: the step index listed steps without a manifest: %s", self.backend.uri,
+                     stale)  # fmt: skip
 
     def _stale_pins(self, pins: list[ObjectInfo], committed: set[int]) -> list[str]:
         return [

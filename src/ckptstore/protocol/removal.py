@@ -94,42 +94,49 @@ class Remover:
         size = self.catalog.index.segment_size
         for batch in (chosen[i : i + size] for i in range(0, len(chosen), size)):
             self.catalog.index.removing(batch)
-            removed += [step for step in batch if self._uncommit(step)]
-            try:
-                self.catalog.index.drop(batch)
+            finished = []
+            for step in batch:
+                uncommitted, gone = self._uncommit(step)
+                removed += [step] if uncommitted else []
+                finished += [step] if gone else []
+            try:  # a tombstone left standing keeps its claim: a prune's reader finishes it
+                self.catalog.index.drop(finished)
             except CheckpointError as e:
                 log.warning("%s: removed steps stay in the step index (%s); readers drop "
                             "them", self.backend.uri, e)  # fmt: skip
         return removed
 
-    def _uncommit(self, step: int) -> bool:
+    def _uncommit(self, step: int) -> tuple[bool, bool]:
         """Delete a committed step: its manifest is swapped for a tombstone first (the step is
         uncommitted from that instant), then the files it lists go, then the tombstone. A
         delete that dies half-way leaves a tombstone and files that ``gc`` removes, never a
         half step. Removing the tombstone at once is safe here, unlike in :meth:`abort_step`:
-        the files deleted belong to attempts that were committed, which nobody commits again."""
+        the files deleted belong to attempts that were committed, which nobody commits again.
+
+        Returns whether it uncommitted the step, and whether nothing of a removal is left
+        there (no tombstone: the step index may forget it)."""
         path = layout.manifest_path(step)
         try:
             data, version = self.backend.read_versioned(path)
         except NotFoundError:
-            return False
+            return False, True
         if is_tombstone(data):
             if tombstone_of_commit(data):
                 self.roll_forward(step)
-            return False
+                return False, not self._tombstone_at(path)
+            return False, True  # gc's, over attempts nobody committed: not this step's
         try:
             manifest = Manifest.decode(data, where=self.catalog.uri(path))
         except (CorruptCheckpointError, CompatibilityError) as e:
             log.warning("step %d is left alone: %s", step, e)
-            return False
+            return False, False
         attempts = {f.attempt for f in manifest.files if f.attempt is not None}
         tombstone = encode_tombstone(self.writer, self.clock(), attempts, committed=True)
         self._swap(path, tombstone, version)
         self.catalog.forget(step)
         markers = {layout.attempt_marker_path(step, a) for a in attempts}
         delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
-        self.drop_tombstone(step)
-        return True
+        return True, self.drop_tombstone(step, gone=True)
 
     def roll_forward(self, step: int) -> list[str] | None:
         """Finish an uncommit that died half-way (its tombstone stands): delete what is left
@@ -285,11 +292,13 @@ class Remover:
                 continue
         return False
 
-    def drop_tombstone(self, step: int) -> bool:
+    def drop_tombstone(self, step: int, *, gone: bool = False) -> bool:
         """Delete the step's tombstone, unless a manifest replaced it, in two phases (module
         docstring); False if it is left standing (marking or deleting took past the window:
         the next prune or gc drops it). A tombstone another remover is dropping is marked
-        afresh: whoever waits on the old mark sees it change and looks again."""
+        afresh: whoever waits on the old mark sees it change and looks again. With ``gone``,
+        True means no tombstone is left there: one that a rival marked first (and may have
+        died before deleting) answers False."""
         path = layout.manifest_path(step)
         try:
             held, version = self.backend.read_versioned(path)
@@ -300,8 +309,8 @@ class Remover:
         started = self.monotonic()
         try:
             self._swap(path, dropping_tombstone(held, self.writer, self.clock()), version)
-        except PreconditionFailedError:
-            return True  # a commit over it, or a newer claim: not ours to drop any more
+        except PreconditionFailedError:  # a commit over it, or a newer claim: not ours now
+            return not gone or not self._tombstone_at(path)
         left = max(0.0, DROP_WINDOW - (self.monotonic() - started))
         try:
             with bounded(Deadline.after(left, clock=self.monotonic)):
@@ -313,6 +322,12 @@ class Remover:
             )
             return False
         return True
+
+    def _tombstone_at(self, path: str) -> bool:
+        try:
+            return is_tombstone(self.backend.read(path))
+        except NotFoundError:
+            return False
 
     def outwait_drop(self, path: str, version: str) -> bool:
         """Wait for a dropping tombstone (at ``version``) to be deleted; True once the key is

@@ -148,11 +148,13 @@ class StepIndex:
         change = lambda head: self._or_new(head, step).with_pending(claim)  # noqa: E731
         self.update(change, f"announce step {step}")
 
-    def add(self, summaries: Iterable[Summary]) -> None:
-        """Record committed steps (their claims go)."""
+    def add(self, summaries: Iterable[Summary], writer: str) -> None:
+        """Record steps ``writer`` committed, where its claims still stand (and drop them):
+        a claim gone means a removal took the step out again, or a reader already added it
+        from its manifest, and a late update must not bring back what was removed."""
         chosen = list(summaries)
         what = f"add step {chosen[0].step}" if len(chosen) == 1 else "add steps"
-        self.update(lambda head: self._or_new(head).with_summaries(chosen), what)
+        self.update(lambda head: head.with_claimed(chosen, writer) if head else None, what)
 
     def removing(self, steps: Iterable[int]) -> None:
         """Claim steps about to be uncommitted: readers check them against their manifests."""
@@ -160,10 +162,14 @@ class StepIndex:
         if chosen:
             self.update(lambda head: self._or_new(head).with_removing(chosen), "claim removals")
 
-    def drop(self, steps: Iterable[int], *, removals: int | None = None) -> bool:
+    def drop(
+        self, steps: Iterable[int], *, removals: int | None = None, claims: bool = True
+    ) -> bool:
         """Take steps out of the index (and their claims), rewriting the sealed segments that
         hold them. With ``removals`` (a reader's repair) nothing is changed if a removal
-        dropped steps since that count was read. Returns whether the head changed."""
+        dropped steps since that count was read; without ``claims`` the claims on them stay
+        (a writer may be committing one of those steps again). Returns whether the head
+        changed."""
         doomed = set(steps)
         if not doomed:
             return False
@@ -178,7 +184,7 @@ class StepIndex:
                     names.append(name)
                 elif kept := [s for s in segment if s.step not in doomed]:
                     names.append(self._write_segment(kept))
-            return head.dropped(doomed, tuple(names))
+            return head.dropped(doomed, tuple(names), claims=claims)
 
         return self.update(change, "drop steps")
 
