@@ -106,10 +106,10 @@ def check(
 ) -> Findings:
     """Run every rule on ``store`` (a fresh CheckpointStore) and ``raw``; gc runs in between."""
     found = Findings()
-    committed = [info.step for info in store.list()]
-    truth = [m.step for m in store._catalog.scan()[0]]  # the manifests, past the step index
-    if committed != truth:
-        found.broken.append(f"the step index lists {committed}, the manifests say {truth}")
+    listed = [info.step for info in store.list()]  # through the step index
+    committed = [m.step for m in store._catalog.scan()[0]]  # the manifests: the truth
+    if listed != committed:
+        found.broken.append(f"the step index lists {listed}, the manifests say {committed}")
     for step in committed:
         try:
             if not same_state(store.load(step), make_state(seed, step)):

@@ -59,7 +59,7 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     NotFoundError,
 )
-from ckptstore.protocol.catalog import Catalog, StepState
+from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.lease_record import Process, read_lease
 from ckptstore.protocol.removal import Remover, delete_attempt_files
 
