@@ -92,7 +92,9 @@ class Pruner:
                      self.catalog.backend.uri, _spans(doomed))  # fmt: skip
         return doomed
 
-    def would_delete(self, manifests: Iterable[Manifest], *, latest: int | None) -> list[int]:
+    def would_delete(
+        self, manifests: Iterable[Manifest | Summary], *, latest: int | None
+    ) -> list[int]:
         """The steps of ``manifests`` (committed here, or about to be: a replication asks
         before copying) that retention would delete once ``latest`` is the pointer's step;
         ascending. Nothing is read but the pins (one listing, only with a policy)."""
