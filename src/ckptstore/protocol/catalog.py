@@ -5,11 +5,16 @@ from is resolver.py's. Everything here only reads,
 and everything it returns has been checked: manifests strictly decoded (and their signature
 checked, in a signed store), payload bytes against their entries (verified.py).
 
+Listing reads the step index (step_index.py), a few objects however many steps there are,
+and checks each step the index holds a claim on (a save or a removal in flight, or one killed
+half-way) against its manifest, repairing the index with what it found; where the index is
+missing, incomplete or unreadable it reads every manifest and rebuilds it. A listed step's
+manifest is read when first asked for (``CheckpointInfo.manifest``).
+
 A committed manifest never changes, so the catalog keeps every manifest it has decoded, by
-step: listing a store of 10,000 steps a second time costs one listing of step directories and
-a GET for each step not seen before. An entry is dropped when its step directory disappears
-from a listing or this process removes the step. Reads that act on one step (``info``,
-``load``, ``verify``) always fetch its manifest afresh.
+step. An entry is dropped when its step directory disappears from a listing or this process
+removes the step. Reads that act on one step (``info``, ``load``, ``verify``) always fetch its
+manifest afresh.
 """
 
 from __future__ import annotations
