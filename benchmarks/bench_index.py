@@ -115,10 +115,10 @@ def measure(steps: int, prune_steps: int) -> dict[str, Any]:
         endpoint = options["endpoint_url"]
 
         def ls() -> None:
-            args = ["ls", uri, "--endpoint-url", endpoint, "--json"]
+            args = ["ls", uri, "--endpoint-url", endpoint]
             result = CliRunner(env=env).invoke(cli, args, catch_exceptions=False)
             assert result.exit_code == 0, result.output
-            assert len(json.loads(result.output)["steps"]) >= steps
+            assert f"total: {steps} steps" in result.output, result.output[-300:]
 
         row("ckptstore ls (new process)", ls)
         with fresh() as store:

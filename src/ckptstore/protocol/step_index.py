@@ -22,12 +22,11 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckptstore.backends.base import Backend, join
+from ckptstore.backends.base import Backend, ObjectInfo, join
 from ckptstore.deadline import map_in_context
 from ckptstore.domain import layout
 from ckptstore.domain.step_index import (
     HEAD_NAME,
-    INDEX_DIR,
     SEGMENT_SIZE,
     Head,
     Pending,
@@ -330,17 +329,14 @@ class StepIndex:
         except NotFoundError:
             return None
 
-    def orphans(self, cutoff: float) -> list[str]:
-        """Sealed segments no head names, last written before ``cutoff`` (a writer killed
-        between writing one and the swap that would have named it): for gc (one listing)."""
-        try:
-            head, _ = self.read_head()
-        except CorruptCheckpointError:
-            return []  # the next reader rebuilds it; what it names is unknown meanwhile
+    def orphans(self, head: Head | None, objects: Iterable[ObjectInfo], cutoff: float) -> list[str]:
+        """Of ``objects`` (gc's listing of the index's folder), the sealed segments ``head``
+        (the index's, just read) does not name, last written before ``cutoff``: a writer
+        killed between writing one and the swap that would have named it."""
         named = set(head.segments) if head is not None else set()
         return [
             o.path
-            for o in self.backend.list(INDEX_DIR + "/")
+            for o in objects
             if o.path.rsplit("/", 1)[-1].startswith("seg-")
             and o.path.rsplit("/", 1)[-1] not in named
             and (o.mtime is None or o.mtime < cutoff)
