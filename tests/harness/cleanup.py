@@ -22,9 +22,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 
+from ckptstore.backends.base import Backend
 from ckptstore.domain import layout
 from ckptstore.domain.manifest import Manifest, tombstone_of_commit
 from ckptstore.domain.step_index import HEAD_NAME, Head, Summary, decode_segment, segment_path
+from ckptstore.protocol.step_index import StepIndex
 from harness.invariants import Checker, Violation, payload_key
 from harness.scheduler import Event, Stored
 
@@ -117,6 +119,12 @@ def only_committed_left(checker: Checker, events: Sequence[Event]) -> Violation 
         f"{last} ran last, no writer holds the lease, and these are left: {', '.join(left)}",
         -1,
     )
+
+
+def index_paths(backend: Backend) -> set[str]:
+    """The step index's head and the sealed segments it names, read from ``backend``."""
+    head, _ = StepIndex(backend).read_head()
+    return {HEAD_NAME, *(segment_path(n) for n in head.segments)} if head else set()
 
 
 def index_objects(checker: Checker) -> set[str]:
