@@ -18,6 +18,7 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
+from ckptstore.cli.main import run as cli_run
 from ckptstore.domain import layout
 from ckptstore.domain.manifest import KIND_STATE, Manifest
 from ckptstore.domain.step_index import HEAD_NAME, Head, Summary
@@ -245,11 +246,12 @@ def indexed(backend: Backend) -> tuple[list[int], set[int]]:
 
 
 def test_the_tools_keep_both_tiers_indexes_true(
-    s3_uri: str, s3_options: dict[str, Any], tmp_path: Path
+    s3_uri: str, s3_options: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A delete on both tiers takes the step out of both tiers' indexes (a reader trusting
     either index does not list it), and a prune of the local tier alone leaves the local
-    index listing exactly the local manifests, the durable one untouched."""
+    index listing exactly the local manifests, the durable one untouched; ``ckptstore index
+    --rebuild --local`` rebuilds each tier's."""
     local = tmp_path / "local"
     with CheckpointStore(s3_uri, storage_options=s3_options, local=str(local), persist_every=1,
                          local_keep_last=5) as store:  # fmt: skip
@@ -269,3 +271,10 @@ def test_the_tools_keep_both_tiers_indexes_true(
     assert indexed(nearby) == ([4], set())
     assert [p.parent.name for p in local.glob("*/" + layout.MANIFEST_NAME)] == ["global_step_4"]
     assert indexed(durable.backend) == ([1, 3, 4], set())
+    capsys.readouterr()
+    where = ["--local", str(local), "--endpoint-url", s3_options["endpoint_url"]]
+    assert cli_run(["index", s3_uri, "--rebuild", *where]) == 0
+    out = capsys.readouterr().out
+    assert f"{local}: 1 step" in out and f"{s3_uri}: 3 steps" in out, out
+    assert cli_run(["index", s3_uri, "--rebuild", "--tier", "local", *where]) == 0
+    assert str(local) in (out := capsys.readouterr().out) and s3_uri not in out, out
