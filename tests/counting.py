@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from ckptstore.backends.base import Backend, Chunk, ObjectInfo
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.domain import layout
+from ckptstore.domain.step_index import INDEX_DIR
 
 
 class CountingBackend(BackendProxy):
@@ -33,6 +34,8 @@ class CountingBackend(BackendProxy):
             self.calls["manifest write"] += 1
         elif path.endswith("/" + layout.ATTEMPT_MARKER):
             self.calls["marker write"] += 1
+        elif path.startswith(INDEX_DIR + "/"):
+            self.calls["index write"] += 1
         else:
             self.calls["payload write"] += 1
 
@@ -63,6 +66,8 @@ class CountingBackend(BackendProxy):
             self.calls["manifest GET"] += 1
         elif path == layout.LATEST_NAME:
             self.calls["pointer GET"] += 1
+        elif path.startswith(INDEX_DIR + "/"):
+            self.calls["index GET"] += 1
         else:
             self.calls["other GET"] += 1
 

@@ -231,7 +231,8 @@ def test_an_interrupted_prune_is_finished_by_the_next_gc_or_prune(
     for step in (1, 2, 3):
         store.save(step, state_for(step))
     garbage = file_key(store, 1, "state.json")
-    faulty = FaultyBackend(store.backend, fail_at=2, mode="crash")  # dies after the manifest
+    store.list()  # completes the step index: the prune's first write is its claim
+    faulty = FaultyBackend(store.backend, fail_at=3, mode="crash")  # claim, manifest, dies
     pruner = CheckpointStore(store.uri, keep_last=1, backend=faulty, lease=False)
     with pytest.raises(InjectedFault):
         pruner.prune()

@@ -28,6 +28,7 @@ from ckptstore.domain.checksum import Crc32c
 from ckptstore.domain.environment import current_environment
 from ckptstore.domain.manifest import KIND_DIRECTORY, FileEntry, Manifest, encode_tombstone
 from ckptstore.protocol.lease_record import LeaseRecord, Process
+from ckptstore.protocol.step_index import StepIndex
 from harness import explore as ex
 from harness.cleanup import rolled_forward
 from harness.invariants import closed_left_durable, payload_key
@@ -303,8 +304,10 @@ def _empty_step(step: int, writer: str, epoch: int = 0) -> Manifest:
 def _two_manifests(w: World) -> list[Actor]:
     w.expect(2, {})
 
-    def commit_twice() -> None:
+    def commit_twice() -> None:  # each announced in its tier's step index, as writers do
+        StepIndex(w.local).announce(2, "local-writer")
         w.local.create(layout.manifest_path(2), _empty_step(2, "local-writer").encode())
+        StepIndex(w.backend).announce(2, "durable-writer")
         w.backend.create(layout.manifest_path(2), _empty_step(2, "durable-writer").encode())
 
     return [Actor("sloppy", commit_twice)]

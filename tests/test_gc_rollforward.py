@@ -56,8 +56,12 @@ def test_a_removal_killed_at_every_point_is_rolled_forward(tmp_path: Path, finis
                 store.save(step, state(step))
         killed = FaultyBackend(CheckpointStore(str(root), lease=False).backend, fail_at=fail_at,
                                mode="crash")  # fmt: skip
-        with pytest.raises(InjectedFault):
+        try:
             CheckpointStore(str(root), backend=killed, lease=False).delete(1)
+        except InjectedFault:
+            pass
+        else:  # only the step index's update after the removal is best effort (logged)
+            assert fail_at == points, fail_at
         with CheckpointStore(str(root), lease=False, keep_last=2) as store:
             steps = [i.step for i in store.list()]
             assert steps in ([1, 2, 3], [2, 3]), (fail_at, steps)  # never half a step

@@ -41,7 +41,8 @@ def test_thirty_two_kills_lose_nothing(tmp_path: Path) -> None:
         "--workdir",
         str(tmp_path),
     ]
-    harness_on_path = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    harness_on_path = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=600, check=False, env=harness_on_path
     )
@@ -102,7 +103,7 @@ def test_the_checker_finds_corruption_and_a_latest_that_went_back(tmp_path: Path
 
 def test_the_checker_finds_strays_gc_leaves(tmp_path: Path) -> None:
     store = saved(tmp_path, [1, 2])
-    (tmp_path / ".ckptstore").mkdir()
+    (tmp_path / ".ckptstore").mkdir(exist_ok=True)  # the step index lives there too
     (tmp_path / ".ckptstore" / "junk").write_bytes(b"x")  # gc does not own this path
     attempt = tmp_path / "global_step_9" / ".attempt-0123456789abcdef"
     attempt.mkdir(parents=True)

@@ -41,6 +41,7 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         target.parent.mkdir(parents=True)
         target.write_bytes(manifest.encode())
     committer_for(seed.backend, writer="seed").advance_latest(STEPS * EVERY)
+    assert len(seed.list()) == STEPS  # an index-less store: the listing builds the step index
     return root
 
 
@@ -66,11 +67,12 @@ def test_a_save_with_retention_reads_a_bounded_number_of_manifests(big_store: Pa
         calls = backend.take()
         # the previous manifest (incremental, so remembered), then the third newest
         assert calls["manifest GET"] == 1 + 1, calls
-        assert calls["LIST dirs"] == 1 + 1, calls  # past the pointer, then retention's
+        assert calls["LIST dirs"] == 0, calls  # the step index answers both
+        assert calls["index GET"] <= 1 + 1 + 2, calls  # past the pointer, claim, retention
         store.save(step + EVERY, state())
         calls = backend.take()
         assert calls["manifest GET"] == 1, calls  # the previous step's, for incremental copies
-        assert calls["LIST dirs"] == 1, calls  # retention's only
+        assert calls["LIST dirs"] == 0 and calls["index GET"] <= 2, calls  # segments cached
         assert len(store.list()) == STEPS + 2
     finally:
         for saved in (step + EVERY, step):
@@ -86,10 +88,11 @@ def test_a_save_without_retention_reads_one_manifest(big_store: Path) -> None:
         store.save(step, state())
         calls = backend.take()
         assert calls["manifest GET"] == 1, calls  # the previous step, for incremental copies
-        assert calls["LIST dirs"] == 1, calls
+        assert calls["LIST dirs"] == 0 and calls["index GET"] == 2, calls  # past the pointer
         store.save(step + EVERY, state())
         calls = backend.take()
         assert calls["manifest GET"] == 1 and calls["LIST dirs"] == 0, calls
+        assert calls["index GET"] == 0, calls  # the claim and the summary: one PUT each
     finally:
         for saved in (step + EVERY, step):
             with contextlib.suppress(NotFoundError):
@@ -100,10 +103,10 @@ def test_a_second_listing_reads_no_manifest(big_store: Path) -> None:
     store, backend = open_counted(big_store)
     assert len(store.list()) == STEPS
     first = backend.take()
-    assert first["manifest GET"] == STEPS and first["LIST dirs"] == 1, first
+    assert first == Counter({"index GET": 2}), first  # the head, one sealed segment
     assert [i.step for i in store.list()][-1] == STEPS * EVERY
     second = backend.take()
-    assert second == Counter({"LIST dirs": 1}), second
+    assert second == Counter({"index GET": 1}), second  # sealed segments never change
 
 
 def test_latest_reads_the_pointer_one_listing_and_one_manifest(big_store: Path) -> None:
@@ -111,7 +114,7 @@ def test_latest_reads_the_pointer_one_listing_and_one_manifest(big_store: Path) 
     latest = store.latest()
     assert latest is not None and latest.step == STEPS * EVERY
     calls = backend.take()
-    assert calls == Counter({"pointer GET": 1, "LIST dirs": 1, "manifest GET": 1}), calls
+    assert calls == Counter({"pointer GET": 1, "index GET": 1, "manifest GET": 1}), calls
 
 
 def test_prune_with_nothing_to_delete_reads_only_the_newest_manifests(big_store: Path) -> None:
@@ -119,7 +122,7 @@ def test_prune_with_nothing_to_delete_reads_only_the_newest_manifests(big_store:
     assert store.prune() == []
     calls = backend.take()
     assert calls["manifest GET"] == 5, calls  # the pointer's step is among the five newest
-    assert calls["LIST dirs"] == 1 and calls["LIST"] == 1, calls  # steps, then pins
+    assert calls["index GET"] == 2 and calls["LIST"] == 1, calls  # steps, then pins
 
 
 def test_a_step_removed_by_another_process_leaves_the_listing(tmp_path: Path) -> None:
@@ -148,7 +151,7 @@ def test_load_reads_the_pointer_one_manifest_and_its_files(big_store: Path) -> N
         assert torch.equal(store.load()["w"], torch.ones(4))
         calls = backend.take()
         files = len(info.files)
-        expected = {"pointer GET": 1, "LIST dirs": 1, "manifest GET": 1, "LIST": 1}
+        expected = {"pointer GET": 1, "index GET": 1, "manifest GET": 1, "LIST": 1}
         assert calls == Counter({**expected, "other GET": files}), calls
     finally:
         writer.delete(step, force=True)
@@ -238,7 +241,8 @@ def test_gc_lists_the_store_once_and_reads_no_clean_manifest(big_store: Path) ->
     calls = backend.take()
     assert calls["manifest GET"] == 0 and calls["LIST dirs"] == 0, calls
     assert calls["LIST"] == 1, calls
-    assert sum(calls.values()) <= 2, calls  # and the lease, to see whether a save is in flight
+    assert calls["index GET"] == 2, calls  # the step index: steps without a manifest?
+    assert sum(calls.values()) <= 4, calls  # and the lease, to see whether a save is in flight
 
 
 # -- what a save writes ---------------------------------------------------------------------
@@ -271,6 +275,7 @@ def test_a_steady_save_costs_one_lease_write_and_these_requests(tmp_path: Path) 
             "pointer GET": 2,
             "manifest GET": 1,
             "LIST": 1,
+            "index write": 2,  # the step announced before its manifest, added after
         }
     ), calls
     store.close()

@@ -61,7 +61,7 @@ from ckptstore.errors import (
 )
 from ckptstore.protocol.lease_record import read_lease
 from faults import FaultyBackend, InjectedFault
-from harness.cleanup import committed_objects
+from harness.cleanup import committed_objects, index_paths
 from harness.invariants import same_state
 from harness.scheduler import inline_thread_pools
 
@@ -296,7 +296,8 @@ class StoreModel(RuleBasedStateMachine):
         reader = self._truth()
         reader.gc(older_than=0)
         manifests = {i.step: i.manifest for i in reader.list()}
-        left = {o.path for o in reader.backend.list("")} - committed_objects(manifests)
+        kept = committed_objects(manifests) | index_paths(reader.backend)
+        left = {o.path for o in reader.backend.list("")} - kept
         assert not left, f"gc(older_than=0) with no live writer left {sorted(left)}"
         self.writer, self.switch = self._open()
 

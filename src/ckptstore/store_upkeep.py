@@ -35,6 +35,14 @@ class StoreUpkeep(StoreEngines):
         """``verify`` for every committed step, including those with unreadable manifests."""
         return self._maintenance.verify_all(tier)
 
+    def rebuild_index(self, *, tier: str | None = None) -> dict[str, int]:
+        """Rebuild the step index of every tier (or ``tier``) from its manifests
+        (docs/design.md "The step index"); returns each tier's URI and how many committed
+        steps its index holds. Readers repair the index by themselves: this is for an index
+        that older ckptstore versions left behind, or that lists a step someone deleted by
+        hand."""
+        return self._maintenance.rebuild_index(tier)
+
     def pin(self, step: int, *, tier: str | None = None) -> None:
         """Protect a committed step from retention until ``unpin``, in every tier."""
         self._maintenance.pin(layout.check_step(step), tier)

@@ -22,8 +22,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 
+from ckptstore.backends.base import Backend
 from ckptstore.domain import layout
 from ckptstore.domain.manifest import Manifest, tombstone_of_commit
+from ckptstore.domain.step_index import HEAD_NAME, Head, Summary, decode_segment, segment_path
+from ckptstore.protocol.step_index import StepIndex
 from harness.invariants import Checker, Violation, payload_key
 from harness.scheduler import Event, Stored
 
@@ -107,12 +110,62 @@ def only_committed_left(checker: Checker, events: Sequence[Event]) -> Violation 
     last = ran_last(events, collectors)
     if last is None or not _released(checker.backend.objects.get(layout.LEASE_NAME)):
         return None
-    left = sorted(set(checker.backend.objects) - committed_objects(checker.committed_steps()))
+    keep = committed_objects(checker.committed_steps()) | index_objects(checker)
+    left = sorted(set(checker.backend.objects) - keep)
     if not left:
         return None
     return Violation(
         "gc-leaves-only-committed",
         f"{last} ran last, no writer holds the lease, and these are left: {', '.join(left)}",
+        -1,
+    )
+
+
+def index_paths(backend: Backend) -> set[str]:
+    """The step index's head and the sealed segments it names, read from ``backend``."""
+    head, _ = StepIndex(backend).read_head()
+    return {HEAD_NAME, *(segment_path(n) for n in head.segments)} if head else set()
+
+
+def index_objects(checker: Checker) -> set[str]:
+    """The step index's head and the sealed segments it names (step_index.py)."""
+    head = _index(checker)
+    return {HEAD_NAME, *(segment_path(n) for n in head[0].segments)} if head else set()
+
+
+def _index(checker: Checker) -> tuple[Head, dict[int, Summary]] | None:
+    stored = checker.backend.objects.get(HEAD_NAME)
+    if stored is None:
+        return None
+    head = Head.decode(stored.data, HEAD_NAME)
+    summaries: dict[int, Summary] = {}
+    for name in head.segments:
+        segment = checker.backend.objects[segment_path(name)]  # a named one is never gone
+        summaries.update((s.step, s) for s in decode_segment(segment.data, name))
+    summaries.update((s.step, s) for s in head.steps)
+    return head, summaries
+
+
+def index_agrees(checker: Checker, events: Sequence[Event]) -> Violation | None:
+    """``index-agrees``: what a reader of the step index lists (its summaries, each step it
+    holds a claim on looked up in its manifest) is what the manifests say is committed, and
+    every summary is that of its step's manifest. Holds after every schedule, crashes
+    included: a writer killed between its commit and the index update left a claim."""
+    found = _index(checker)
+    committed = checker.committed_steps()
+    if found is None or not found[0].complete:
+        return None  # readers list the manifests (and complete the index)
+    head, summaries = found
+    claimed = {p.step for p in head.pending} | set(head.removing)
+    listed = (set(summaries) - claimed) | {s for s in claimed if s in committed}
+    wrong = [s for s in set(summaries) - claimed if s in committed
+             and summaries[s] != Summary.of(committed[s])]  # fmt: skip
+    if listed == set(committed) and not wrong:
+        return None
+    return Violation(
+        "index-agrees",
+        f"a reader of the step index lists {sorted(listed)} (summaries differing from their "
+        f"manifest: {wrong}), the manifests say {sorted(committed)}",
         -1,
     )
 

@@ -26,8 +26,10 @@ from typing import Any, Protocol
 from ckptstore.backends.local import LOCK_PREFIX
 from ckptstore.domain import layout
 from ckptstore.domain.manifest import is_tombstone
+from ckptstore.domain.step_index import HEAD_NAME, segment_path
 from ckptstore.errors import CheckpointError, NotFoundError
 from ckptstore.protocol.pointer import Pointer
+from ckptstore.protocol.step_index import StepIndex
 from harness.killsaver import make_state, same_state
 
 
@@ -104,7 +106,10 @@ def check(
 ) -> Findings:
     """Run every rule on ``store`` (a fresh CheckpointStore) and ``raw``; gc runs in between."""
     found = Findings()
-    committed = [info.step for info in store.list()]
+    listed = [info.step for info in store.list()]  # through the step index
+    committed = [m.step for m in store._catalog.scan()[0]]  # the manifests: the truth
+    if listed != committed:
+        found.broken.append(f"the step index lists {listed}, the manifests say {committed}")
     for step in committed:
         try:
             if not same_state(store.load(step), make_state(seed, step)):
@@ -152,7 +157,9 @@ def _check_latest(
 
 def strays(store: Any, raw: RawView) -> list[str]:
     """Everything in the storage that no committed step, pointer, lease or pin explains."""
-    keep = {layout.LATEST_NAME, layout.LEASE_NAME}
+    keep = {layout.LATEST_NAME, layout.LEASE_NAME, HEAD_NAME}
+    head, _ = StepIndex(store.backend).read_head()
+    keep.update(segment_path(n) for n in (head.segments if head is not None else ()))
     committed = set()
     for info in store.list():
         committed.add(layout.step_dir(info.step))

@@ -9,7 +9,9 @@ about half an hour on 2 cores.)
 For each mode (``save`` or ``save_async``) and target (a local directory, or a bucket on an
 embedded moto S3 server started here), it runs ``--kills`` rounds on one store: start a saver
 process (killsaver.py: resume from ``latest`` with ``takeover=True``, then save step after step
-with ``keep_last`` retention), wait a seeded random time, SIGKILL it, then check the store with
+with ``keep_last`` retention), wait a seeded random time, SIGKILL it (every fourth round the
+saver kills itself right after its first commit marker, before the step index hears of the
+step), then check the store with
 fresh objects (killcheck.py) and run ``gc``. It prints one row per mode and target and exits 1
 if any round found a lost or corrupt step, a stray after gc, or a broken ``latest``.
 
@@ -129,6 +131,7 @@ def fuzz(
             deadline=max(30.0, 10 * args.window),
             storage_options=target.options,
             verbose=args.verbose,
+            die_after_commit=round_ % 4 == 2,  # the kill point between commit and index
         )
         # the last round of a store that no save reached yet (a loaded machine makes the
         # saver slow to its first commit) kills only after one: the run proves saves happen

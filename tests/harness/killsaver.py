@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+from ckptstore.backends.proxy import BackendProxy
+from ckptstore.backends.registry import open_backend
+from ckptstore.domain import layout
+from ckptstore.domain.manifest import is_tombstone
 
 MiB = 1 << 20
 FROZEN_BYTES = 2 * MiB
@@ -47,6 +53,18 @@ class SaverJob:
     storage_options: dict[str, Any] = field(default_factory=dict)
     verbose: bool = False
     """Let ckptstore's warnings (lease taken over, stale pointer) through to stderr."""
+    die_after_commit: bool = False
+    """SIGKILL itself right after its first commit marker is written, before the step index
+    hears of the step (the kill point between the commit and the index update)."""
+
+
+class DiesAfterCommit(BackendProxy):
+    """Kills its process the moment a manifest (not a tombstone) has been created."""
+
+    def create(self, path: str, data: bytes) -> None:
+        super().create(path, data)
+        if path.endswith("/" + layout.MANIFEST_NAME) and not is_tombstone(data):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def make_state(seed: int, step: int) -> dict[str, Any]:
@@ -93,9 +111,10 @@ def _save_forever(job: SaverJob) -> None:
 
     torch.set_num_threads(1)
     record = os.open(job.record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    with CheckpointStore(
-        job.uri, keep_last=job.keep_last, takeover=True, storage_options=job.storage_options
-    ) as store:
+    backend = open_backend(job.uri, job.storage_options)
+    if job.die_after_commit:
+        backend = DiesAfterCommit(backend)
+    with CheckpointStore(job.uri, keep_last=job.keep_last, takeover=True, backend=backend) as store:
         latest = store.latest()
         if latest is not None:
             state = store.load(latest.step)

@@ -60,6 +60,31 @@ def prune_command(
     emit(ctx, data, f"{verb} steps: {step_list(doomed)}\nkept steps: {step_list(kept)}")
 
 
+@click.command("index")
+@click.argument("uri")
+@click.option("--rebuild", is_flag=True, help="Rebuild the step index from the manifests.")
+@tier_options
+@common_options
+@click.pass_context
+def index_command(
+    ctx: click.Context, uri: str, rebuild: bool, local: str | None, tier: str | None
+) -> None:
+    """Show the step index of URI (how many steps it lists in how many requests), or rebuild
+    it from the manifests with --rebuild (with --local, each tier's, or the one --tier
+    names). Readers keep the index repaired by themselves; rebuild after steps were deleted
+    by hand or written by a ckptstore without the index."""
+    store = open_store(ctx, uri, local=local)
+    if rebuild:
+        counts = store.rebuild_index(tier=tier)
+        lines = [f"rebuilt the step index of {u}: {plural(n, 'step')}" for u, n in counts.items()]
+        data = {"uri": store.uri, "rebuilt": True, "steps": sum(counts.values()), "tiers": counts}
+        emit(ctx, data, "\n".join(lines))
+        return
+    count = len(store.list())
+    data = {"uri": store.uri, "rebuilt": False, "steps": count}
+    emit(ctx, data, f"the step index of {store.uri} lists {plural(count, 'step')}")
+
+
 @click.command("pin")
 @click.argument("uri")
 @click.argument("step", type=STEP)
@@ -191,4 +216,4 @@ def gc_command(
     emit(ctx, data, "\n".join(lines))
 
 
-COMMANDS = [prune_command, pin_command, unpin_command, rm_command, gc_command]
+COMMANDS = [prune_command, pin_command, unpin_command, rm_command, gc_command, index_command]

@@ -184,7 +184,7 @@ class Resolver:
         catalog = catalog if catalog is not None else self.catalog
         fences = self._fences(catalog, pointer)
         step = pointer.step if pointer is not None and pointer.step is not None else -1
-        for newer in reversed([s for s in catalog.step_dirs() if s > step]):
+        for newer in reversed(newer_steps(catalog, step)):
             try:
                 info = catalog.info(newer)
             except NotFoundError:
@@ -198,8 +198,8 @@ class Resolver:
                     "%d); ignoring it (ckptstore rm removes it)",
                     catalog.uri(""),
                     newer,
-                    info.manifest.writer,
-                    info.manifest.lease_epoch,
+                    info.writer,
+                    info.lease_epoch,
                 )
                 continue
             log.warning(
@@ -296,6 +296,17 @@ class Resolver:
         pointer = self.catalog.pointer_or_none()
         chosen = self.catalog.list() if infos is None else infos
         return [i.step for i in chosen if fenced(pointer, i)]
+
+
+def newer_steps(catalog: Catalog, step: int) -> builtins.list[int]:
+    """Steps above ``step`` that may be committed: from the step index's head (one GET)
+    where it knows them all, else from one listing of step directories."""
+    try:
+        head, _ = catalog.index.read_head()
+    except CorruptCheckpointError:
+        head = None
+    known = head.steps_after(step) if head is not None else None
+    return known if known is not None else [s for s in catalog.step_dirs() if s > step]
 
 
 class Search:

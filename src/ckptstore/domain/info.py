@@ -6,11 +6,13 @@ touching storage.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ckptstore.domain.manifest import FileEntry, Manifest
+from ckptstore.domain.step_index import Summary
 
 
 @dataclass(frozen=True)
@@ -49,27 +51,69 @@ class SaveStats:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """A committed step: where it is and what its manifest says."""
+    """A committed step: where it is, its summary, and (read when first asked for) its
+    manifest.
+
+    A listing answered by the step index (protocol/step_index.py) knows a step's summary
+    only; ``manifest`` (and ``files``) then reads the step's own manifest, the truth, once.
+    """
 
     uri: str
-    manifest: Manifest
+    summary: Summary
     stats: SaveStats | None = field(default=None, compare=False)
     """Set on the info a save returns."""
     tier: str | None = field(default=None, compare=False)
     """Where a tiered store holds it (``local``, ``durable``, ``local+durable``, ``local
     (copying)``); None for a plain store."""
+    source: Callable[[], Manifest] | None = field(default=None, compare=False, repr=False)
+    """Reads the manifest (the catalog's); ``None`` when ``known`` holds it."""
+    known: Manifest | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, uri: str, manifest: Manifest, stats: SaveStats | None = None) -> CheckpointInfo:
+        return cls(uri, Summary.of(manifest), stats, known=manifest)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its manifest (read now if need be), never with the catalog."""
+        return (
+            CheckpointInfo,
+            (self.uri, self.summary, self.stats, self.tier, None, self.manifest),
+        )
+
+    @cached_property
+    def manifest(self) -> Manifest:
+        if self.known is not None:
+            return self.known
+        assert self.source is not None, "an info without a manifest has a source"
+        return self.source()
 
     @property
     def step(self) -> int:
-        return self.manifest.step
+        return self.summary.step
 
     @property
     def time(self) -> float:
-        return self.manifest.created
+        return self.summary.created
 
     @property
     def size(self) -> int:
-        return self.manifest.size
+        return self.summary.size
+
+    @property
+    def kind(self) -> str:
+        return self.summary.kind
+
+    @property
+    def file_count(self) -> int:
+        return self.summary.files
+
+    @property
+    def writer(self) -> str:
+        return self.summary.writer
+
+    @property
+    def lease_epoch(self) -> int:
+        return self.summary.lease_epoch
 
     @property
     def files(self) -> tuple[FileEntry, ...]:
@@ -77,7 +121,7 @@ class CheckpointInfo:
 
     @property
     def metadata(self) -> Mapping[str, Any]:
-        return self.manifest.metadata
+        return self.summary.metadata
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,16 @@ from is resolver.py's. Everything here only reads,
 and everything it returns has been checked: manifests strictly decoded (and their signature
 checked, in a signed store), payload bytes against their entries (verified.py).
 
+Listing reads the step index (step_index.py), a few objects however many steps there are,
+and checks each step the index holds a claim on (a save or a removal in flight, or one killed
+half-way) against its manifest, repairing the index with what it found; where the index is
+missing, incomplete or unreadable it reads every manifest and rebuilds it. A listed step's
+manifest is read when first asked for (``CheckpointInfo.manifest``).
+
 A committed manifest never changes, so the catalog keeps every manifest it has decoded, by
-step: listing a store of 10,000 steps a second time costs one listing of step directories and
-a GET for each step not seen before. An entry is dropped when its step directory disappears
-from a listing or this process removes the step. Reads that act on one step (``info``,
-``load``, ``verify``) always fetch its manifest afresh.
+step. An entry is dropped when its step directory disappears from a listing or this process
+removes the step. Reads that act on one step (``info``, ``load``, ``verify``) always fetch its
+manifest afresh.
 """
 
 from __future__ import annotations
@@ -29,13 +34,17 @@ from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo, SaveStats
 from ckptstore.domain.manifest import FileEntry, Manifest, is_tombstone
 from ckptstore.domain.signing import Signer
+from ckptstore.domain.step_index import SEGMENT_SIZE, Summary, manifest_digest
 from ckptstore.errors import (
+    BackendError,
     CheckpointError,
     CompatibilityError,
+    ConflictError,
     CorruptCheckpointError,
     NotFoundError,
 )
 from ckptstore.protocol.pointer import Pointer
+from ckptstore.protocol.step_index import Snapshot, StepIndex, stale
 from ckptstore.protocol.verified import payload_sizes, read_verified
 from ckptstore.retry import Backoff, Retry
 
@@ -77,12 +86,17 @@ class Catalog:
         *,
         signer: Signer | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        segment_size: int = SEGMENT_SIZE,
     ) -> None:
         self.backend = backend
         self.signer = signer
         self.sleep = sleep
         self._manifests: dict[int, Manifest] = {}
         self._lock = threading.Lock()
+        self.half_removed: set[int] = set()
+        """Steps the index claims are being removed whose tombstone a reader found: a prune
+        finishes their removal (pruning.py)."""
+        self.index = StepIndex(backend, sleep=sleep, segment_size=segment_size)
 
     def uri(self, path: str) -> str:
         return join(self.backend.uri, path) if path else self.backend.uri
@@ -172,7 +186,25 @@ class Catalog:
         return self.info_of(self.read_manifest(layout.check_step(step)))
 
     def info_of(self, manifest: Manifest, stats: SaveStats | None = None) -> CheckpointInfo:
-        return CheckpointInfo(self.uri(layout.step_dir(manifest.step)), manifest, stats)
+        return CheckpointInfo.of(self.uri(layout.step_dir(manifest.step)), manifest, stats)
+
+    def info_of_summary(self, summary: Summary) -> CheckpointInfo:
+        """An info from the index: its manifest is read (and checked against the summary)
+        only when asked for."""
+        uri = self.uri(layout.step_dir(summary.step))
+        return CheckpointInfo(uri, summary, source=lambda: self._indexed_manifest(summary))
+
+    def _indexed_manifest(self, summary: Summary) -> Manifest:
+        manifest = self.manifest(summary.step)
+        if manifest_digest(manifest) != summary.digest:
+            log.warning(
+                "%s: the step index's summary of step %d does not match its manifest; using "
+                "the manifest (`ckptstore index --rebuild %s` repairs the index)",
+                self.backend.uri,
+                summary.step,
+                self.backend.uri,
+            )
+        return manifest
 
     # -- listings ------------------------------------------------------------------------
 
@@ -208,10 +240,103 @@ class Catalog:
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every readable committed step, ascending. Broken manifests are logged, not listed."""
-        committed, broken = self.scan()
+        summaries, broken = self.summaries()
         for step, error in broken.items():
             log.warning("step %d has an unreadable manifest: %s", step, error)
-        return [self.info_of(m) for m in committed]
+        return [self.info_of_summary(s) for s in summaries]
+
+    def summaries(self) -> tuple[builtins.list[Summary], dict[int, CheckpointError]]:
+        """Summaries of the committed steps, ascending, and the steps whose manifest cannot be
+        read: from the step index (step_index.py), checking each step it holds a claim on
+        against its manifest, or from the manifests where the index is missing, incomplete
+        or unreadable (and the index is then completed from what was read). A newer
+        schema's index is refused (CompatibilityError), never overwritten."""
+        try:
+            snapshot = self.index.snapshot()
+        except CorruptCheckpointError as e:
+            log.warning("%s", e)
+            return self._summaries_from_manifests(None, removals=None)
+        if snapshot is None or not snapshot.head.complete:
+            removals = snapshot.head.removals if snapshot is not None else 0
+            return self._summaries_from_manifests(snapshot, removals=removals)
+        return self._checked(snapshot)
+
+    def _summaries_from_manifests(
+        self, snapshot: Snapshot | None, *, removals: int | None
+    ) -> tuple[builtins.list[Summary], dict[int, CheckpointError]]:
+        committed, broken = self.scan()
+        found = [Summary.of(m) for m in committed]
+        try:
+            self.index.rebuild(found, merge=snapshot is not None, removals=removals)
+        except (BackendError, ConflictError) as e:  # a read-only reader lists all the same
+            log.info("%s: the step index was not written: %s", self.backend.uri, e)
+        return found, broken
+
+    def rebuild_index(self) -> int:
+        """Rebuild the step index from the manifests (``ckptstore index --rebuild``): every
+        summary it held is replaced by one read now; writers' claims stay. Returns how many
+        steps it holds. Retried while removals race it (a removal dropped steps meanwhile)."""
+        for _ in range(3):
+            try:
+                head, _ = self.index.read_head()
+            except CorruptCheckpointError:
+                head = None
+            self.forget_all()
+            committed, _broken = self.scan()
+            found = [Summary.of(m) for m in committed]
+            removals = head.removals if head is not None else None
+            if self.index.rebuild(found, merge=False, removals=removals):
+                return len(found)
+        raise BackendError(
+            f"{self.index.uri}: the step index could not be rebuilt (removals or writers kept "
+            "changing it); try again",
+            retryable=True,
+        )
+
+    def _checked(
+        self, snapshot: Snapshot
+    ) -> tuple[builtins.list[Summary], dict[int, CheckpointError]]:
+        """The index's summaries, with every claimed step (announced, being removed) looked
+        up in its manifest; what was found repairs the index (best effort)."""
+        summaries = dict(snapshot.summaries)
+        head = snapshot.head
+        claimed = sorted({p.step for p in head.pending} | set(head.removing))
+        broken: dict[int, CheckpointError] = {}
+        added: builtins.list[Summary] = []
+        gone: builtins.list[int] = []
+        now = time.time()
+        pending = {p.step: p for p in head.pending}
+        for step in claimed:
+            state = self.state_of(step, fresh=True)
+            if state is StepState.COMMITTED:
+                summary = Summary.of(self.manifest(step))
+                if step in pending or summaries.get(step) != summary:
+                    added.append(summary)
+                summaries[step] = summary
+                continue
+            summaries.pop(step, None)
+            if state is StepState.REMOVING:
+                self.half_removed.add(step)
+            elif state is StepState.UNREADABLE:
+                broken[step] = CorruptCheckpointError(f"step {step}: unreadable manifest")
+            elif step not in pending or stale(pending[step], now):
+                gone.append(step)
+        self._repair(added, gone, head.removals)
+        return sorted(summaries.values(), key=lambda s: s.step), broken
+
+    def _repair(
+        self, added: builtins.list[Summary], gone: builtins.list[int], removals: int
+    ) -> None:
+        try:
+            if added:
+                self.index.update(
+                    lambda h: h.with_summaries(added) if h and h.removals == removals else None,
+                    "repair",
+                )
+            if gone:
+                self.index.drop(gone, removals=removals)
+        except (BackendError, ConflictError) as e:
+            log.info("%s: the step index was not repaired: %s", self.backend.uri, e)
 
     def retention_view(self, newest: int) -> builtins.list[int]:
         """Step numbers for a retention policy to judge, at a cost bounded by ``newest``.
@@ -282,8 +407,7 @@ class Catalog:
 
 def fenced(pointer: Pointer | None, info: CheckpointInfo) -> bool:
     """Whether ``info`` was committed by a writer that had lost the lease (pointer.py)."""
-    manifest = info.manifest
-    return pointer is not None and pointer.fenced(info.step, manifest.writer, manifest.lease_epoch)
+    return pointer is not None and pointer.fenced(info.step, info.writer, info.lease_epoch)
 
 
 def _torn(e: Exception) -> bool:

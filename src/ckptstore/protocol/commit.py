@@ -36,8 +36,10 @@ from ckptstore.domain.manifest import (
     tombstone_attempts,
     tombstone_dropping,
 )
+from ckptstore.domain.step_index import Summary
 from ckptstore.errors import (
     BackendError,
+    CheckpointError,
     ConfigError,
     ConflictError,
     CorruptCheckpointError,
@@ -222,12 +224,28 @@ class Committer:
                 )
             manifest = self.signer.sign(manifest)
         data = manifest.encode()
+        self.catalog.index.announce(manifest.step, self.writer)
         try:
             self.backend.create(path, data)
         except ObjectExistsError as e:
             self._commit_over(manifest, data, e)
         self.catalog.remember(manifest)
+        self.index_committed(manifest)
         return manifest
+
+    def index_committed(self, manifest: Manifest) -> None:
+        """Record a committed step in the step index (step_index.py). A failure is logged:
+        the step is committed, and its claim makes readers add it."""
+        try:
+            self.catalog.index.add([Summary.of(manifest)], self.writer)
+        except CheckpointError as e:
+            log.warning(
+                "%s: step %d is committed but the step index was not updated (%s); readers "
+                "add it from its manifest",
+                self.backend.uri,
+                manifest.step,
+                e,
+            )
 
     def _commit_over(self, manifest: Manifest, data: bytes, error: ObjectExistsError) -> None:
         """The manifest key is taken: by our own write whose answer was lost (done), by a

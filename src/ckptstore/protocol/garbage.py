@@ -53,6 +53,7 @@ from ckptstore.domain.manifest import (
     tombstone_attempts,
     tombstone_of_commit,
 )
+from ckptstore.domain.step_index import INDEX_DIR
 from ckptstore.errors import (
     CheckpointError,
     CompatibilityError,
@@ -62,6 +63,7 @@ from ckptstore.errors import (
 from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.lease_record import Process, read_lease
 from ckptstore.protocol.removal import Remover, delete_attempt_files
+from ckptstore.protocol.step_index import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,9 @@ class GarbageCollector:
         for step in sorted(listing.steps):
             self._collect_step(step, listing.steps[step], step in pinned, found)
         pins = self._stale_pins(listing.pins, found.committed | self.held_elsewhere)
+        index = self._index() if listing.index else None
+        if index is not None:  # and segments the step index dropped
+            pins += self.catalog.index.orphans(index.head, listing.index, self.cutoff)
         kept = tuple(k + "/" for k in found.kept)
         partial = [  # an abandoned upload's writer gave up on it: dead, however young
             p
@@ -133,6 +138,8 @@ class GarbageCollector:
             if p.abandoned or (_old(p.started, self.cutoff) and not p.path.startswith(kept))
         ]
         if not self.dry_run:
+            if index is not None:
+                self._forget_in_index(index, found.committed)
             self.backend.delete(pins)
             for upload in partial:
                 self.backend.abort(upload)
@@ -262,6 +269,26 @@ class GarbageCollector:
         except NotFoundError:
             return None
 
+    def _index(self) -> Snapshot | None:
+        """The step index, or None where there is none to tend (absent, unreadable: the next
+        reader rebuilds it; of a newer schema: not ours to change)."""
+        try:
+            return self.catalog.index.snapshot()
+        except (CorruptCheckpointError, CompatibilityError):
+            return None
+
+    def _forget_in_index(self, snapshot: Snapshot, committed: set[int]) -> None:
+        """Drop from the step index the steps it lists that have no manifest (deleted by
+        hand, or by a ckptstore without the index), each confirmed by a read of its
+        manifest key now; claims stay (their writers, or readers, settle them)."""
+        claimed = {p.step for p in snapshot.head.pending} | set(snapshot.head.removing)
+        stale = [s for s in snapshot.summaries if s not in committed and s not in claimed]
+        stale = [s for s in stale if not self.catalog.state_of(s, fresh=True).committed]
+        if stale:
+            self.catalog.index.drop(stale, removals=snapshot.head.removals, claims=False)
+            log.info("%s: the step index listed steps without a manifest: %s", self.backend.uri,
+                     stale)  # fmt: skip
+
     def _stale_pins(self, pins: list[ObjectInfo], committed: set[int]) -> list[str]:
         return [
             pin.path
@@ -325,6 +352,8 @@ class _StoreListing:
 
     steps: dict[int, _StepListing] = field(default_factory=dict)
     pins: list[ObjectInfo] = field(default_factory=list)
+    index: list[ObjectInfo] = field(default_factory=list)
+    """The step index's objects (step_index.py)."""
     has_latest: bool = False
     has_meta: bool = False
 
@@ -339,6 +368,8 @@ class _StoreListing:
                 found.has_meta = True
                 if obj.path.startswith(layout.PINS_DIR + "/"):
                     found.pins.append(obj)
+                elif obj.path.startswith(INDEX_DIR + "/"):
+                    found.index.append(obj)
             elif slash and (step := layout.parse_step_dir(head)) is not None:
                 found.steps.setdefault(step, _StepListing()).add(step, obj)
         return found

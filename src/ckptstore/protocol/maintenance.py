@@ -249,8 +249,16 @@ class Maintenance:
             self._refuse_protected(doomed, chosen)
         if dry_run:
             return doomed
-        for step in doomed:  # oldest first: a pointer, if it moves back, moves once
-            self._delete(step, chosen)
+        size = min(t.catalog.index.segment_size for t in chosen)
+        for batch in (doomed[i : i + size] for i in range(0, len(doomed), size)):
+            for t in chosen:  # each tier's step index claims them first (removal.py)
+                t.remover.claim_removals(batch)
+            gone: dict[str, list[int]] = {t.name: [] for t in chosen}
+            for step in batch:  # oldest first: a pointer, if it moves back, moves once
+                for t in self._delete(step, chosen):
+                    gone[t.name].append(step)
+            for t in chosen:
+                t.remover.forget_removed(gone[t.name])
         return doomed
 
     def _refuse_protected(self, steps: Sequence[int], chosen: Sequence[Tier]) -> None:
@@ -287,18 +295,26 @@ class Maintenance:
             step=first,
         )
 
-    def _delete(self, step: int, chosen: Sequence[Tier]) -> None:
+    def _delete(self, step: int, chosen: Sequence[Tier]) -> list[Tier]:
         """Tombstones in every tier first, then the pointers, then the payload. The pins go
         from the chosen tiers, and a faster tier's too when the durable tier is chosen: it
-        kept the step for a copy that is not wanted any more."""
+        kept the step for a copy that is not wanted any more. Returns the tiers left with
+        nothing of the step (no tombstone: their step index may forget it)."""
         self.forget(step)
         for t in self.tiers if self.durable in chosen else chosen:
             t.pins.remove(step)
-        marked = [(t, m) for t in chosen if (m := t.remover.mark_uncommitted(step)) is not None]
+        marked = {t.name: m for t in chosen if (m := t.remover.mark_uncommitted(step)) is not None}
         for t in chosen:
             _move_pointer_back(t, step)
-        for t, manifest in marked:
-            t.remover.finish_uncommit(manifest)
+        return [
+            t
+            for t in chosen
+            if (
+                t.remover.finish_uncommit(marked[t.name])
+                if t.name in marked
+                else not t.remover.tombstone_at(step)
+            )
+        ]
 
     # -- retention and gc --------------------------------------------------------------------
 
@@ -315,6 +331,11 @@ class Maintenance:
             with t.retention:
                 doomed.update(t.pruner.prune(dry_run))
         return sorted(doomed)
+
+    def rebuild_index(self, tier: str | None = None) -> dict[str, int]:
+        """Rebuild each chosen tier's step index from its manifests; each tier's URI and how
+        many steps its index holds."""
+        return {t.uri: t.catalog.rebuild_index() for t in self.chosen(tier)}
 
     def gc(self, dry_run: bool, older_than: float, tier: str | None = None) -> GcReport:
         """Collect each chosen tier's garbage (garbage.py). A store with tiers reports each

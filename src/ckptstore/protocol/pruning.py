@@ -25,6 +25,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.domain import layout
 from ckptstore.domain.manifest import Manifest
 from ckptstore.domain.retention import RetentionPolicy, StepRecord, metric_value, steps_to_delete
+from ckptstore.domain.step_index import Summary
 from ckptstore.errors import CheckpointError, ConfigError
 from ckptstore.protocol.catalog import Catalog, StepState
 from ckptstore.protocol.removal import Remover
@@ -80,14 +81,20 @@ class Pruner:
             return []  # without a committed latest, nobody can tell what a writer still needs
         steps = self._records() if self.policy.needs_records else self._numbers(dry_run)
         chosen = steps_to_delete(self.policy, steps, latest=latest, pinned=self.pins.steps())
-        doomed = [step for step in chosen if self._committed(step, dry_run)]
-        if not dry_run:
-            for step in doomed:
-                self.remover.uncommit(step)
-                log.info("retention deleted step %d from %s", step, self.catalog.backend.uri)
+        if dry_run:
+            return chosen
+        for step in sorted(self.catalog.half_removed):  # a removal killed half-way
+            self.remover.roll_forward(step)
+            self.catalog.half_removed.discard(step)
+        doomed = self.remover.uncommit_all(chosen)
+        if doomed:
+            log.info("retention deleted %d steps from %s: %s", len(doomed),
+                     self.catalog.backend.uri, _spans(doomed))  # fmt: skip
         return doomed
 
-    def would_delete(self, manifests: Iterable[Manifest], *, latest: int | None) -> list[int]:
+    def would_delete(
+        self, manifests: Iterable[Manifest | Summary], *, latest: int | None
+    ) -> list[int]:
         """The steps of ``manifests`` (committed here, or about to be: a replication asks
         before copying) that retention would delete once ``latest`` is the pointer's step;
         ascending. Nothing is read but the pins (one listing, only with a policy)."""
@@ -109,9 +116,9 @@ class Pruner:
 
     def _numbers(self, dry_run: bool) -> list[int]:
         """Step numbers to judge by ``keep_last``/``keep_every`` (module docstring): the
-        newest ``keep_last`` committed steps confirmed, older directories on the listing's
-        word (only they can be chosen, and each is confirmed before it is deleted)."""
-        older = self.catalog.step_dirs()
+        newest ``keep_last`` committed steps confirmed, older ones on the step index's word
+        (only they can be chosen, and each is confirmed by its uncommit)."""
+        older = [s.step for s in self.catalog.summaries()[0]]
         keep_last = self.policy.keep_last or 0
         if self.policy.keep_every is None and len(older) <= keep_last:
             return []  # every committed step is among the newest keep_last
@@ -133,7 +140,7 @@ class Pruner:
     def _records(self) -> list[StepRecord]:
         """A record of every readable committed step (remembered manifests, a GET for each
         one not read before); a step whose manifest cannot be read gets none, so it stays."""
-        committed, broken = self.catalog.scan()
+        committed, broken = self.catalog.summaries()
         for step in broken:
             log.debug("retention leaves step %d alone: its manifest is unreadable", step)
         records = [record_of(m) for m in committed]
@@ -151,6 +158,17 @@ class Pruner:
         return records
 
 
-def record_of(manifest: Manifest) -> StepRecord:
+def record_of(manifest: Manifest | Summary) -> StepRecord:
     """What a retention policy sees of a committed step (retention.py stays free of I/O)."""
     return StepRecord(manifest.step, manifest.created, manifest.metadata)
+
+
+def _spans(steps: list[int]) -> str:
+    """``1-3, 7`` for [1, 2, 3, 7]: a mass prune logs one line, not one per step."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

@@ -38,6 +38,8 @@ from ckptstore.domain.manifest import (
 )
 from ckptstore.errors import (
     CheckpointError,
+    CompatibilityError,
+    CorruptCheckpointError,
     DeadlineExceededError,
     NotFoundError,
     ObjectExistsError,
@@ -77,43 +79,97 @@ class Remover:
         self.sleep = sleep
 
     def uncommit(self, step: int) -> None:
+        """Delete one committed step (:meth:`uncommit_all`)."""
+        self.uncommit_all([step])
+
+    def uncommit_all(self, steps: Iterable[int]) -> list[int]:
+        """Delete committed steps, a batch of up to a segment's size at a time: the step index
+        claims the batch first (readers then look at those manifests instead of trusting the
+        index), and drops it once every step of it is gone (step_index.py). A failure to drop
+        is logged: the claims stay, and readers repair the index. Returns the steps that
+        were committed (and readable) and are gone now: a removal found half done is
+        finished, an unreadable manifest left alone."""
+        chosen: list[int] = list(steps)
+        removed: list[int] = []
+        size = self.catalog.index.segment_size
+        for batch in (chosen[i : i + size] for i in range(0, len(chosen), size)):
+            self.claim_removals(batch)
+            finished = []
+            for step in batch:
+                uncommitted, gone = self._uncommit(step)
+                removed += [step] if uncommitted else []
+                finished += [step] if gone else []
+            self.forget_removed(finished)
+        return removed
+
+    def claim_removals(self, steps: Iterable[int]) -> None:
+        """Claim steps in the step index before any of them is uncommitted, so readers look
+        at their manifests instead of trusting the index (step_index.py)."""
+        self.catalog.index.removing(steps)
+
+    def forget_removed(self, steps: Iterable[int]) -> None:
+        """Take removed steps (and their claims) out of the step index. A failure is logged:
+        the claims stay, and readers repair the index."""
+        try:  # a tombstone left standing keeps its claim: a prune's reader finishes it
+            self.catalog.index.drop(steps)
+        except CheckpointError as e:
+            log.warning("%s: removed steps stay in the step index (%s); readers drop "
+                        "them", self.backend.uri, e)  # fmt: skip
+
+    def _uncommit(self, step: int) -> tuple[bool, bool]:
         """Delete a committed step: its manifest is swapped for a tombstone first (the step is
         uncommitted from that instant), then the files it lists go, then the tombstone. A
         delete that dies half-way leaves a tombstone and files that ``gc`` removes, never a
         half step. Removing the tombstone at once is safe here, unlike in :meth:`abort_step`:
-        the files deleted belong to attempts that were committed, which nobody commits again."""
-        manifest = self.mark_uncommitted(step)
-        if manifest is not None:
-            self.finish_uncommit(manifest)
+        the files deleted belong to attempts that were committed, which nobody commits again.
 
-    def finish_uncommit(self, manifest: Manifest) -> None:
+        Returns whether it uncommitted the step, and whether nothing of a removal is left
+        there (no tombstone: the step index may forget it)."""
+        try:
+            manifest, held = self._mark(step)
+        except (CorruptCheckpointError, CompatibilityError) as e:
+            log.warning("step %d is left alone: %s", step, e)
+            return False, False
+        if manifest is not None:
+            return True, self.finish_uncommit(manifest)
+        if held is not None and tombstone_of_commit(held):
+            self.roll_forward(step)
+            return False, not self.tombstone_at(step)
+        return False, True  # nothing, or gc's tombstone over attempts nobody committed
+
+    def finish_uncommit(self, manifest: Manifest) -> bool:
         """The second half of :meth:`uncommit`, once its tombstone stands: the files the
         manifest lists (an adopted step's too, which have no attempt), the attempts'
-        markers, then the tombstone."""
+        markers, then the tombstone. Returns whether no tombstone is left there (the step
+        index may forget the step)."""
         step = manifest.step
         attempts = {f.attempt for f in manifest.files if f.attempt is not None}
         markers = {layout.attempt_marker_path(step, a) for a in attempts}
         delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
-        self.drop_tombstone(step)
+        return self.drop_tombstone(step, gone=True)
 
     def mark_uncommitted(self, step: int) -> Manifest | None:
         """The first half of :meth:`uncommit`: swap the manifest for a tombstone naming its
         attempts, so the step is uncommitted from that instant and whoever finds the
         tombstone (:meth:`roll_forward`, the next prune or gc) finishes the removal. Returns
         the manifest swapped out; ``None`` when the step was not committed here."""
+        return self._mark(step)[0]
+
+    def _mark(self, step: int) -> tuple[Manifest | None, bytes | None]:
+        """:meth:`mark_uncommitted`, and the tombstone found instead of a manifest."""
         path = layout.manifest_path(step)
         try:
             data, version = self.backend.read_versioned(path)
         except NotFoundError:
-            return None
+            return None, None
         if is_tombstone(data):
-            return None
+            return None, data
         manifest = Manifest.decode(data, where=self.catalog.uri(path))
         attempts = {f.attempt for f in manifest.files if f.attempt is not None}
         tombstone = encode_tombstone(self.writer, self.clock(), attempts, committed=True)
         self._swap(path, tombstone, version)
         self.catalog.forget(step)
-        return manifest
+        return manifest, None
 
     def roll_forward(self, step: int) -> list[str] | None:
         """Finish an uncommit that died half-way (its tombstone stands): delete what is left
@@ -269,11 +325,13 @@ class Remover:
                 continue
         return False
 
-    def drop_tombstone(self, step: int) -> bool:
+    def drop_tombstone(self, step: int, *, gone: bool = False) -> bool:
         """Delete the step's tombstone, unless a manifest replaced it, in two phases (module
         docstring); False if it is left standing (marking or deleting took past the window:
         the next prune or gc drops it). A tombstone another remover is dropping is marked
-        afresh: whoever waits on the old mark sees it change and looks again."""
+        afresh: whoever waits on the old mark sees it change and looks again. With ``gone``,
+        True means no tombstone is left there: one that a rival marked first (and may have
+        died before deleting) answers False."""
         path = layout.manifest_path(step)
         try:
             held, version = self.backend.read_versioned(path)
@@ -284,8 +342,8 @@ class Remover:
         started = self.monotonic()
         try:
             self._swap(path, dropping_tombstone(held, self.writer, self.clock()), version)
-        except PreconditionFailedError:
-            return True  # a commit over it, or a newer claim: not ours to drop any more
+        except PreconditionFailedError:  # a commit over it, or a newer claim: not ours now
+            return not gone or not self.tombstone_at(step)
         left = max(0.0, DROP_WINDOW - (self.monotonic() - started))
         try:
             with bounded(Deadline.after(left, clock=self.monotonic)):
@@ -297,6 +355,13 @@ class Remover:
             )
             return False
         return True
+
+    def tombstone_at(self, step: int) -> bool:
+        """Whether a tombstone stands at the step's manifest key (fresh read)."""
+        try:
+            return is_tombstone(self.backend.read(layout.manifest_path(step)))
+        except NotFoundError:
+            return False
 
     def outwait_drop(self, path: str, version: str) -> bool:
         """Wait for a dropping tombstone (at ``version``) to be deleted; True once the key is

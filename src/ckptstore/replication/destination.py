@@ -27,6 +27,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import FileEntry, Manifest
+from ckptstore.domain.step_index import Summary
 from ckptstore.errors import CheckpointError, ConflictError, UntrustedCheckpointError
 from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.commit import Committer
@@ -38,9 +39,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Holdings:
-    """What the destination holds now: readable manifests and unreadable steps, by step."""
+    """What the destination holds now: summaries of its readable steps (from its step index)
+    and unreadable steps, by step."""
 
-    manifests: dict[int, Manifest]
+    manifests: dict[int, Summary]
     broken: dict[int, CheckpointError]
 
 
@@ -67,9 +69,9 @@ class Replica:
         return self.catalog.backend.uri
 
     def holdings(self) -> Holdings:
-        """One listing of step directories, and a GET for each manifest not seen before."""
-        committed, broken = self.catalog.scan()
-        return Holdings({m.step: m for m in committed}, dict(broken))
+        """The step index's summaries (a few GETs however many steps it holds)."""
+        committed, broken = self.catalog.summaries()
+        return Holdings({s.step: s for s in committed}, dict(broken))
 
     def check_trusted(self, manifest: Manifest, where: str) -> None:
         """Refuse a manifest this store's signing key does not verify (none: anything goes)."""
@@ -88,10 +90,13 @@ class Replica:
                 path=e.path,
             ) from e
 
-    def same_step(self, held: Manifest, wanted: Manifest) -> bool:
+    def same_step(self, held: Summary, wanted: CheckpointInfo) -> bool:
         """Whether ``held`` (here) is ``wanted``'s step with the same files; ConflictError if
-        the step is here with other files (a run that went its own way here)."""
-        if held.files == wanted.files:
+        the step is here with other files (a run that went its own way here). Equal digests
+        (a step replicated verbatim) answer without reading either manifest."""
+        if held.digest == wanted.summary.digest:
+            return True
+        if self.catalog.manifest(held.step).files == wanted.manifest.files:
             return True
         raise ConflictError(
             f"step {wanted.step} exists in {self.uri} with other contents than the source's; "
@@ -102,7 +107,9 @@ class Replica:
             step=wanted.step,
         )
 
-    def doomed(self, wanted: Iterable[Manifest], held: Mapping[int, Manifest]) -> set[int]:
+    def doomed(
+        self, wanted: Iterable[Manifest], held: Mapping[int, Manifest | Summary]
+    ) -> set[int]:
         """The steps of ``wanted`` this store's retention would delete as soon as they landed
         beside ``held`` (one GET of the pointer and a listing of pins, with a policy only)."""
         wanted = list(wanted)

@@ -217,13 +217,16 @@ class Replicator:
         held = self.replica.holdings()
         candidates: list[Manifest] = []
         for info in infos:
-            manifest, step = info.manifest, info.step
+            step = info.step
             if step in fenced:
                 report.excluded[step] = FENCED
-            elif step in held.manifests:
-                if self.replica.same_step(held.manifests[step], manifest):
+                continue
+            if step in held.manifests:
+                if self.replica.same_step(held.manifests[step], info):
                     report.present.append(step)
-            elif step in held.broken:
+                continue
+            manifest = info.manifest  # read only for steps to copy (the index listed them)
+            if step in held.broken:
                 raise _unreadable_there(self.replica, step, held.broken[step])
             elif self._failed.get(step) == manifest:
                 report.excluded[step] = FAILED_BEFORE
