@@ -11,6 +11,7 @@ before and after step 3 is compared bit for bit with the killed job's.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -178,6 +179,36 @@ def test_the_entry_point_composes_verls_sft_config_with_the_store_section(tmp_pa
     assert OmegaConf.to_container(config.trainer.ckptstore) == {
         "uri": str(tmp_path / "store"), "keep_last": 2,
     }  # fmt: skip
+
+
+@needs_verl
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sft_handler_persists_every_kth_save_refuses_a_lost_rank_file_and_resumes_locally(
+    tmp_path: Path, s3_uri: str, s3_options: dict[str, Any]
+) -> None:
+    """verl's CheckpointHandler as StoreCheckpointHandler on two gloo ranks (an engine that
+    writes verl's files stands in for the model; verl_sft_handler_ranks.py): ``persist_every``,
+    a save that lost a rank's file commits nothing while training goes on, ``max_failed_saves``
+    in a row stop every rank, and a resume prefers a local step every rank holds whole."""
+    import torch.multiprocessing as mp
+
+    from verl_sft_handler_ranks import run_rank
+
+    mp.spawn(run_rank, args=(2, str(tmp_path), s3_uri, s3_options), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    for result in results:
+        assert result["start"] == 0  # an empty store: from step 0
+        # saves 1-7: every 2nd is due; 4 lost rank 1's file (refused, training went on), so
+        # 5 was due at once; 7 lost it again, and 8 too: two failures in a row stop the job
+        assert result["committed"] == [[], [2], [2], [2], [2, 5], [2, 5], [2, 5]]
+        assert result["stopped"][0] == 8 and "2 verl SFT saves in a row" in result["stopped"][1]
+        assert "model_world_size_2_rank_R.pt is missing for rank(s) 1" in result["stopped"][1]
+        assert result["second"] == [5, 5, ["global_step_5"]]  # pulled: rank 1 lacked step 8
+        assert result["third"] == [5, None, ["global_step_5"]]  # local, as new as the store
+    with CheckpointStore(s3_uri, storage_options=s3_options, lease=False) as store:
+        assert [i.step for i in store.list()] == [2, 5]
+        assert all(store.verify(i.step).ok for i in store.list())
 
 
 # -- the real trainer --------------------------------------------------------------------

@@ -94,8 +94,8 @@ def check_ranks(paths: Iterable[str], step: int) -> None:
         if missing:
             shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
             raise IncompleteCheckpointError(
-                f"{where}: {kind}_world_size_{world}_rank_R.pt is missing for rank(s) {shown} on "
-                "every node that reported; a node without an agent (or a failed save) would "
-                "lose them, so nothing was committed",
+                f"{where}: {kind}_world_size_{world}_rank_R.pt is missing for rank(s) {shown}: "
+                "no node or rank that reported holds it (a node without an agent, or a save "
+                "that did not write it), so nothing was committed",
                 step=step,
             )
