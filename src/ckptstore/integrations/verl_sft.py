@@ -152,8 +152,8 @@ class StoreCheckpointHandler(CheckpointHandler):
             store = CheckpointStore(self.settings.uri, options=options)
             if self.comm.rank == 0:
                 store.hold_lease()
-        except CheckpointError as e:
-            error = e
+        except Exception as e:  # sent to every rank, which raises it
+            error = e if isinstance(e, CheckpointError) else CheckpointError(describe(e))
         errors = self.comm.all_gather(error)
         first = next((e for e in errors if e is not None), None)
         if first is not None:
@@ -197,7 +197,7 @@ class StoreCheckpointHandler(CheckpointHandler):
             held = self.files.offers(self.agent.list_step(step))
             if step in self.skipped and self.comm.rank == 0:
                 self._drop_skipped(step)
-        except (OSError, CheckpointError) as e:
+        except Exception as e:  # sent, not raised: every rank reaches every collective
             held = CheckpointError(f"rank {self.comm.rank}: {describe(e)}", step=step)
         self.skipped.discard(step)
         listings = self.comm.gather(held)
@@ -297,7 +297,7 @@ class StoreCheckpointHandler(CheckpointHandler):
                 self._pull(offer)
             except VERIFY_ERRORS as e:
                 status = ("corrupt", describe(e))
-            except (OSError, CheckpointError) as e:
+            except Exception as e:  # sent, not raised: every rank reaches every collective
                 status = ("error", describe(e))
             statuses = self.comm.all_gather(status)
             bad = {r: s for r, s in enumerate(statuses) if s is not None}
@@ -349,8 +349,8 @@ class StoreCheckpointHandler(CheckpointHandler):
                     step=info.step,
                 )
             return info
-        except CheckpointError as e:
-            return e
+        except Exception as e:  # sent to every rank, which raises it
+            return e if isinstance(e, CheckpointError) else CheckpointError(describe(e))
 
     def _pull(self, info: CheckpointInfo) -> None:
         """Download this rank's files of ``info`` (and the shared ones, on the node's leader)
