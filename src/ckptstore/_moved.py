@@ -18,8 +18,8 @@ import warnings
 from types import ModuleType
 
 MOVED = {
-    "ckptstore.adoption": "ckptstore.protocol.adoption",
-    "ckptstore.async_saving": "ckptstore.data.async_saving",
+    "ckptstore.adoption": "ckptstore.core.adoption",
+    "ckptstore.async_saving": "ckptstore.core.async_saving",
     "ckptstore.background": "ckptstore.data.background",
     "ckptstore.cas": "ckptstore.protocol.cas",
     "ckptstore.catalog": "ckptstore.protocol.catalog",
@@ -38,8 +38,8 @@ MOVED = {
     "ckptstore.lease": "ckptstore.protocol.lease",
     "ckptstore.lease_contest": "ckptstore.protocol.lease_contest",
     "ckptstore.lease_record": "ckptstore.protocol.lease_record",
-    "ckptstore.loading": "ckptstore.data.loading",
-    "ckptstore.maintenance": "ckptstore.protocol.maintenance",
+    "ckptstore.loading": "ckptstore.core.loading",
+    "ckptstore.maintenance": "ckptstore.core.maintenance",
     "ckptstore.manifest": "ckptstore.domain.manifest",
     "ckptstore.metrics": "ckptstore.integrations.prometheus",
     "ckptstore.node_tier": "ckptstore.tiers.node_tier",
@@ -60,7 +60,7 @@ MOVED = {
     "ckptstore.snapshot": "ckptstore.data.snapshot",
     "ckptstore.state_selection": "ckptstore.domain.state_selection",
     "ckptstore.transfer": "ckptstore.data.transfer",
-    "ckptstore.verified": "ckptstore.protocol.verified",
+    "ckptstore.verified": "ckptstore.data.verified",
 }
 """Old module name -> where it lives now."""
 

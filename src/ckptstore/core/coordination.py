@@ -39,7 +39,7 @@ from ckptstore.deadline import Deadline, bounded, clean_up, current_deadline, wi
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo, SaveStats
 from ckptstore.domain.manifest import Environment, FileEntry, Manifest, check_metadata
-from ckptstore.domain.plan import Plan
+from ckptstore.domain.plan import Plan, Previous
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
@@ -49,7 +49,7 @@ from ckptstore.errors import (
     StepBehindLatestError,
 )
 from ckptstore.protocol.catalog import Catalog
-from ckptstore.protocol.commit import Committer, Previous
+from ckptstore.protocol.commit import Committer
 from ckptstore.protocol.pointer import Pointer
 from ckptstore.protocol.removal import Remover
 
