@@ -96,3 +96,113 @@ def test_the_function_import_check_sees_one(tmp_path: Path) -> None:
     assert function_imports(tmp_path / "src" / "ckptstore") == [
         "src/ckptstore/tiers/local.py:5: ckptstore.core.resolver"
     ]
+
+
+# -- faces use the store's public surface ----------------------------------------------------
+
+FACES = ("cli", "integrations", "export")
+
+
+def _is_store(node: ast.expr, stores: set[str]) -> bool:
+    """``store``, ``self.store``, ``dest_store``, or a name annotated ``CheckpointStore``."""
+    name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+    return name in stores or (name.lstrip("_").endswith("store") and name != "ckptstore")
+
+
+def _chain(node: ast.Attribute) -> tuple[ast.expr, list[str]]:
+    """``a.b.c.d`` as its innermost expression (``a``) and the attributes after it."""
+    names: list[str] = []
+    inner: ast.expr = node
+    while isinstance(inner, ast.Attribute):
+        names.append(inner.attr)
+        inner = inner.value
+    return inner, names[::-1]
+
+
+def _deep(chain_root: ast.expr, names: list[str], stores: set[str]) -> list[str] | None:
+    """The attributes walked past a store in this chain, if any store is in it."""
+    parts: list[ast.expr] = [chain_root]
+    for name in names:
+        parts.append(ast.Attribute(value=parts[-1], attr=name))
+    for i in range(len(parts) - 1, -1, -1):  # the last store in the chain (self.store.x)
+        if _is_store(parts[i], stores):
+            return names[i:]
+    return None
+
+
+def _walked(
+    node: ast.Attribute, stores: set[str], engines: dict[str, list[str]]
+) -> list[str] | None:
+    """The attributes this chain walks past a store, counting those of a name bound to one."""
+    root, names = _chain(node)
+    walked = _deep(root, names, stores)
+    if walked is None and isinstance(root, ast.Name) and root.id in engines:
+        walked = [*engines[root.id], *names]
+    return walked
+
+
+def reaches_into_engines(src: Path) -> list[str]:
+    """Every place a face walks more than one attribute past a store (``store.tiers.node.x``,
+    also through a name bound to ``store.tiers``), or touches a private one (``store._x``)."""
+    found = []
+    for path in sorted(p for face in FACES for p in (src / face).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        stores = {
+            a.arg
+            for a in ast.walk(tree)
+            if isinstance(a, ast.arg) and "CheckpointStore" in ast.unparse(a.annotation or a)
+        }
+        # names bound to a walk past a store (tiers = store.tiers; node = tiers.node), with
+        # the attributes walked so far, found to a fixed point (bindings of bindings)
+        engines: dict[str, list[str]] = {}
+        for _ in range(3):
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute):
+                    walked = _walked(node.value, stores, engines)
+                    if walked:
+                        engines |= {t.id: walked for t in node.targets if isinstance(t, ast.Name)}
+        outer = {
+            id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+        }  # inner links of a longer chain: the whole chain is judged once
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or id(node) in outer:
+                continue
+            walked = _walked(node, stores, engines)
+            if not walked:  # no store here, or the store itself (self.store)
+                continue
+            if len(walked) > 2 or walked[0].startswith("_"):
+                rel = path.relative_to(src.parent.parent)
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_faces_walk_at_most_one_attribute_into_the_engines() -> None:
+    """A face calls the store or one of the engines it shows (``store.resolver.loading()``,
+    ``store.tiers.join(m)``), never their parts (``store.tiers.node.local.remover``): what a
+    face needs of them is a method there (tiers/persister.py's face section)."""
+    assert reaches_into_engines(SRC) == []
+
+
+def test_the_face_check_sees_a_deep_walk(tmp_path: Path) -> None:
+    """The check above is not blind: a walk into the tiers' parts, directly, through a name
+    bound to an engine, or into a private attribute, is named; the store's surface is not."""
+    face = tmp_path / "src" / "ckptstore" / "integrations"
+    face.mkdir(parents=True)
+    (face / "x.py").write_text(
+        "def f(store, s: CheckpointStore):\n"
+        "    store.tiers.node.join(1)\n"
+        "    tiers = store.tiers\n"
+        "    tiers.node.hold(2)\n"
+        "    s._catalog.scan()\n"
+        "    store.resolver.loading()\n"
+        "    tiers.join(3)\n"
+        "    node = tiers.node\n"
+        "    node.join(4)\n"
+        "    return self.store.tiers.share_last()\n"
+    )
+    assert reaches_into_engines(tmp_path / "src" / "ckptstore") == [
+        "src/ckptstore/integrations/x.py:2: store.tiers.node.join",
+        "src/ckptstore/integrations/x.py:4: tiers.node.hold",
+        "src/ckptstore/integrations/x.py:5: s._catalog.scan",
+        "src/ckptstore/integrations/x.py:9: node.join",
+    ]
