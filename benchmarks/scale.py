@@ -6,7 +6,7 @@ would; one coordinator begins the coordinated save (``begin_save``: the writer l
 ``latest`` and the previous manifest) and hands each rank its cut of the plan
 (``stage_files(plan=...)``, as ``save_distributed`` does), commits every rank's entries, then
 each rank reads its own files back verified (``read_file``). Requests go over HTTP through the
-fault proxy's throttle (ckptstore.testing.throttle) to moto.
+fault proxy's throttle (tests/s3faults/throttle.py) to moto.
 
 What is modelled: the ranks are played by a pool of ``workers`` threads, each holding one store
 and playing one rank after another, so at most ``workers`` ranks are in flight (a real job has
@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ckptstore.data.payload import SourceFile
@@ -44,9 +45,11 @@ from ckptstore.domain.manifest import KIND_STATE, FileEntry, Manifest
 from ckptstore.domain.plan import Plan
 from ckptstore.errors import CheckpointError
 from ckptstore.integrations.distributed import rank_dir
-from ckptstore.testing.faultproxy import FaultProxy
 from ckptstore.testing.s3server import LocalS3Server
-from ckptstore.testing.throttle import DEFAULT_SCALE, WRITES, Throttle
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from s3faults.faultproxy import FaultProxy  # tests/s3faults: S3 as it misbehaves
+from s3faults.throttle import DEFAULT_SCALE, WRITES, Throttle
 
 BUCKET = "scale"
 

@@ -22,6 +22,7 @@ import pytest
 from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
 from ckptstore.cli.main import run
+from ckptstore.core.adoption import Adopter
 from ckptstore.data.payload import SourceFile
 from ckptstore.domain.checksum import Crc32c
 from ckptstore.domain.layout import VERL_TRACKER_NAME, manifest_path
@@ -33,7 +34,6 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
-from ckptstore.protocol.adoption import Adopter
 
 KEY = "5e1f" * 8
 Put = Callable[[str, bytes], None]

@@ -1,5 +1,5 @@
 """Saves and loads that finish or fail in bounded time: S3 over HTTP, through the fault proxy
-(ckptstore.testing.faultmodes) in front of moto.
+(s3faults.faultmodes) in front of moto.
 
 Each fault mode, switched on for chosen requests and off again: a stalled request is given up
 after ``stall_timeout`` and retried, and the transfer completes; under a deadline, a fault that
@@ -36,8 +36,8 @@ from ckptstore.errors import (
     LoadTimeoutError,
     SaveTimeoutError,
 )
-from ckptstore.testing.faultproxy import Fault, FaultProxy
-from ckptstore.testing.throttle import Throttle
+from s3faults.faultproxy import Fault, FaultProxy
+from s3faults.throttle import Throttle
 
 pytestmark = pytest.mark.wallclock  # timed assertions: run on a quiet machine
 

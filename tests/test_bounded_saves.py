@@ -23,8 +23,8 @@ import torch
 from ckptstore import CheckpointError, CheckpointStore, DistributedCheckpointError
 from ckptstore.errors import SaveTimeoutError
 from ckptstore.integrations.training import CheckpointCallback
-from ckptstore.testing.faultproxy import Fault, FaultProxy
 from ranks import run_ranks
+from s3faults.faultproxy import Fault, FaultProxy
 
 pytestmark = pytest.mark.wallclock  # timed assertions: run on a quiet machine
 

@@ -26,9 +26,9 @@ import ckptstore
 from ckptstore import CheckpointStore
 from ckptstore.domain.layout import PINS_DIR
 from ckptstore.errors import ConflictError, FencedError
-from ckptstore.testing.faultmodes import Fault
-from ckptstore.testing.faultproxy import FaultProxy
 from harness.tiersaver import state
+from s3faults.faultmodes import Fault
+from s3faults.faultproxy import FaultProxy
 
 TESTS = Path(__file__).parent
 PROCESS_WIDE = "ckpt-lease-releaser"

@@ -19,13 +19,13 @@ from ckptstore import (
 )
 from ckptstore.domain.layout import LEASE_NAME, step_dir
 from ckptstore.domain.manifest import FileEntry
-from ckptstore.domain.plan import Plan
+from ckptstore.domain.plan import Plan, Previous
 from ckptstore.integrations.distributed import (
     load_distributed,
     rank_dir,
     save_distributed,
 )
-from ckptstore.protocol.commit import Committer, Previous
+from ckptstore.protocol.commit import Committer
 from parts import pointer_step
 from ranks import Records, run_ranks
 

@@ -1,4 +1,4 @@
-"""The S3 backend behind a fault-injecting proxy (ckptstore.testing.faultproxy) on moto.
+"""The S3 backend behind a fault-injecting proxy (s3faults.faultproxy) on moto.
 
 Faults: 500, 503 SlowDown, connections reset mid-response, truncated bodies, delays, all on
 real sockets, so botocore's retries, our body re-reads and our error translation run for real.
@@ -28,8 +28,8 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     PreconditionFailedError,
 )
-from ckptstore.testing.faultproxy import QUIRKS, FaultProxy
 from parts import committer_for
+from s3faults.faultproxy import QUIRKS, FaultProxy
 
 MiB = 1 << 20
 ProxyFactory = Callable[..., FaultProxy]

@@ -65,6 +65,7 @@ BROUGHT_BY: dict[str, str] = {
 TOOLS: dict[str, tuple[str, str]] = {
     "ruff": ("scripts/test", "ruff check"),
     "mypy": ("scripts/test", "\nmypy"),
+    "import-linter": ("scripts/test", "\nlint-imports"),
     "pytest-xdist": ("scripts/test", "pytest -n"),
     "pytest-timeout": ("pyproject.toml", "\ntimeout = "),
 }

@@ -29,8 +29,8 @@ import ckptstore.data.serialize  # noqa: F401
 from ckptstore import CheckpointStore
 from ckptstore.deadline import Deadline, bounded
 from ckptstore.errors import LeaseHeldError, SaveTimeoutError
-from ckptstore.testing.faultproxy import Fault, FaultProxy
 from lease_helpers import FakeTime, LeaseTroubles, contender, read_record, ready, write_record
+from s3faults.faultproxy import Fault, FaultProxy
 
 Uri = tuple[str, dict[str, Any]]
 SLACK = 1.5

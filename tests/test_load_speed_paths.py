@@ -25,8 +25,8 @@ from ckptstore.backends import local, s3_download
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.s3_transfer import Transfers, read_body_into
+from ckptstore.data.verified import read_verified
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.protocol.verified import read_verified
 from keys import file_key
 
 PIECE = 1000
@@ -152,7 +152,7 @@ def test_sha256_is_checked_piece_by_piece_too(store: CheckpointStore) -> None:
 def test_loads_without_huge_pages_or_read_ahead_hints_read_the_same(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptstore.protocol.verified as verified
+    import ckptstore.data.verified as verified
 
     monkeypatch.setattr(verified, "HUGE_PAGE", 1)  # every buffer asks
     monkeypatch.setattr(verified, "HUGE_PAGE_ADVICE", -1)  # and the kernel refuses (EINVAL)

@@ -34,7 +34,7 @@ from ckptstore.export import export_hf
 from ckptstore.integrations.training_state import resume, training_state
 from ckptstore.integrations.verl import prepare_resume
 from ckptstore.integrations.verl_nodes import LocalFleet, NodeAgent
-from ckptstore.testing.faultproxy import Fault, FaultProxy
+from s3faults.faultproxy import Fault, FaultProxy
 from slow import Slow
 
 pytestmark = pytest.mark.wallclock  # each asserts how soon the load fails

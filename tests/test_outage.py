@@ -26,8 +26,8 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.domain.layout import PINS_DIR
 from ckptstore.errors import FencedError, SaveTimeoutError
-from ckptstore.testing.faultmodes import Fault
-from ckptstore.testing.faultproxy import FaultProxy
+from s3faults.faultmodes import Fault
+from s3faults.faultproxy import FaultProxy
 from s3process import Server
 
 pytestmark = [pytest.mark.wallclock, pytest.mark.slow]

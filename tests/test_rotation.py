@@ -2,7 +2,7 @@
 
 The server (the fault proxy with ``key_lifetime``, in front of moto over HTTP) accepts each key
 for :data:`LIFETIME` seconds after it was issued and answers ``400 ExpiredToken`` afterwards.
-The keys come from a real ``credential_process`` profile (ckptstore.testing.rotation), read by
+The keys come from a real ``credential_process`` profile (s3faults.rotation), read by
 botocore's own chain in every process; it announces an hour of validity, so botocore never
 refreshes on its own first and only the renewal on ExpiredToken keeps a save alive (the worst
 case: a clock off, a session revoked early). Each save spans at least three rotations: at
@@ -29,9 +29,9 @@ from ckptstore.backends.s3_retry import RENEWALS
 from ckptstore.errors import AccessDeniedError
 from ckptstore.integrations.dcp import CkptStoreWriter
 from ckptstore.replication.replicator import replicate
-from ckptstore.testing.faultproxy import FaultProxy
-from ckptstore.testing.rotation import PROFILE, rotating_profile
 from ranks import run_ranks
+from s3faults.faultproxy import FaultProxy
+from s3faults.rotation import PROFILE, rotating_profile
 
 MiB = 1 << 20
 LIFETIME = 1.0

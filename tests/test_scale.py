@@ -23,8 +23,8 @@ from scale import (
     steps_table,
 )
 
-from ckptstore.testing.throttle import Throttle
 from ranks import run_ranks
+from s3faults.throttle import Throttle
 
 RANKS = 1024
 WORKERS = 16

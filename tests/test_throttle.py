@@ -1,4 +1,4 @@
-"""The throttling S3 (ckptstore.testing.throttle, through the fault proxy) and the S3 backend
+"""The throttling S3 (s3faults.throttle, through the fault proxy) and the S3 backend
 under it: token buckets per prefix as tables with a fake clock, the SlowDown answer on a real
 socket, and a store whose saves converge when the limit binds."""
 
@@ -14,8 +14,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from ckptstore import CheckpointStore
-from ckptstore.testing.faultproxy import FaultProxy
-from ckptstore.testing.throttle import S3_READ_RATE, S3_WRITE_RATE, Throttle, TokenBucket
+from s3faults.faultproxy import FaultProxy
+from s3faults.throttle import S3_READ_RATE, S3_WRITE_RATE, Throttle, TokenBucket
 
 
 class FakeClock:

@@ -1,6 +1,5 @@
 """ckptstore: atomic, verified, resumable checkpoints on local disks, NFS, S3 and fsspec URLs."""
 
-from ckptstore import _moved
 from ckptstore.data.background import SaveHandle
 from ckptstore.domain.info import CheckpointInfo, GcReport, Loaded, SaveStats, VerifyReport
 from ckptstore.domain.retention import (
@@ -32,8 +31,6 @@ from ckptstore.errors import (
     WaitTimeoutError,
 )
 from ckptstore.store import CheckpointStore
-
-_moved.install()
 
 __all__ = [
     "AccessDeniedError",

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
+from ckptstore.core.loading import download_step, load_state
 from ckptstore.core.observer import SaveObserver
 from ckptstore.core.resolver import Resolved
 from ckptstore.data.background import SaveHandle
-from ckptstore.data.loading import download_step, load_state
 from ckptstore.data.payload import Progress
 from ckptstore.data.transfer import check_target
 from ckptstore.deadline import Deadline, bounded

@@ -11,18 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ckptstore.backends.base import Backend
+from ckptstore.core.adoption import Adopter
+from ckptstore.core.async_saving import AsyncSaver
+from ckptstore.core.maintenance import Maintenance
 from ckptstore.core.resolver import LOCAL, Resolver
 from ckptstore.core.saving import Saver
-from ckptstore.data.async_saving import AsyncSaver
 from ckptstore.domain.environment import current_environment, world_size
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import Environment
 from ckptstore.options import StoreOptions
-from ckptstore.protocol.adoption import Adopter
 from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.commit import Committer
 from ckptstore.protocol.lease import WriterLease
-from ckptstore.protocol.maintenance import Maintenance
 from ckptstore.protocol.pruning import Pruner
 from ckptstore.protocol.removal import Remover
 from ckptstore.replication.destination import Replica

@@ -13,8 +13,7 @@ from ckptstore.data.payload import Progress, SourceFile
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import KIND_DIRECTORY, FileEntry
-from ckptstore.domain.plan import Plan
-from ckptstore.protocol.commit import Previous
+from ckptstore.domain.plan import Plan, Previous
 from ckptstore.store_engines import StoreEngines
 
 

@@ -1,5 +1,5 @@
 """The part of CheckpointStore that acts on many steps at once: verify, pins, retention,
-removal, garbage collection, replication and adoption (protocol/maintenance.py, pruning.py,
+removal, garbage collection, replication and adoption (core/maintenance.py, pruning.py,
 garbage.py, adoption.py, replication/replicator.py). A base class of the facade, so that
 store.py stays about saving and loading one step."""
 
@@ -9,11 +9,11 @@ import builtins
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ckptstore.core.adoption import ForeignStep
 from ckptstore.data.payload import Progress
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo, GcReport, VerifyReport
 from ckptstore.domain.manifest import check_metadata
-from ckptstore.protocol.adoption import ForeignStep
 from ckptstore.protocol.garbage import GC_GRACE_SECONDS
 from ckptstore.replication.replicator import Replicable, replicate
 from ckptstore.store_engines import StoreEngines
@@ -23,7 +23,7 @@ class StoreUpkeep(StoreEngines):
     """Many-step operations of :class:`~ckptstore.store.CheckpointStore`."""
 
     # With a local tier, each of these acts on both tiers, or on the one ``tier`` names
-    # ("local" or "durable"): protocol/maintenance.py.
+    # ("local" or "durable"): core/maintenance.py.
 
     def verify(self, step: int | None = None, *, tier: str | None = None) -> VerifyReport:
         """Check every file of ``step`` (default: latest) against its manifest, each tier's

@@ -27,19 +27,19 @@ from dataclasses import dataclass, replace
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
 from ckptstore.config import key_bytes, signing_key_from_env
+from ckptstore.core.adoption import Adopter
+from ckptstore.core.async_saving import AsyncSaver
+from ckptstore.core.maintenance import Maintenance, Tier
 from ckptstore.core.observer import SaveObserver
 from ckptstore.core.resolver import DURABLE, LOCAL, Resolver
 from ckptstore.core.saving import Saver
-from ckptstore.data.async_saving import AsyncSaver
 from ckptstore.domain.manifest import Environment
 from ckptstore.domain.retention import RetentionPolicy
 from ckptstore.domain.signing import Signer
 from ckptstore.options import StoreOptions
-from ckptstore.protocol.adoption import Adopter
 from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.commit import Committer
 from ckptstore.protocol.lease import WriterLease
-from ckptstore.protocol.maintenance import Maintenance, Tier
 from ckptstore.protocol.pruning import Pins, Pruner
 from ckptstore.protocol.removal import Remover
 from ckptstore.replication.destination import Replica

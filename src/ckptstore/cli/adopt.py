@@ -2,7 +2,7 @@
 
 The migration path for runs that began before ckptstore (a verl run uploaded with
 ``aws s3 sync``): the files stay where they are, each read once to checksum it; only a manifest
-is written. The engine is :mod:`ckptstore.protocol.adoption`.
+is written. The engine is :mod:`ckptstore.core.adoption`.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ lifecycle and IAM; this command is for local servers and quick experiments.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
@@ -45,8 +46,6 @@ def mb_command(ctx: click.Context, uri: str) -> None:
 
 
 def _make_dir(uri: str) -> bool:
-    from pathlib import Path
-
     path = Path(uri.removeprefix("file://")).expanduser()
     if path.is_dir():
         return False

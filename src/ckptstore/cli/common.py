@@ -224,7 +224,7 @@ def load_timeout_option(f: F) -> F:
 def tier_options(f: F) -> F:
     """``--local PATH`` and ``--tier``: a tool that acts on a store's steps (rm, pin, unpin,
     prune, verify, gc) acts on both tiers of a tiered store given its local tier, or on the
-    one ``--tier`` names (protocol/maintenance.py)."""
+    one ``--tier`` names (core/maintenance.py)."""
     f = click.option(
         "--tier",
         type=click.Choice(["local", "durable"]),

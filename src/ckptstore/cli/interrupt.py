@@ -10,6 +10,7 @@ them; nothing here knows a command.
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
 import os
@@ -138,8 +139,6 @@ def _interrupt_main() -> None:
     if kill is not None and main is not None:
         kill(main, signal.SIGINT)
     else:  # pragma: no cover - Windows
-        import _thread
-
         _thread.interrupt_main()
 
 

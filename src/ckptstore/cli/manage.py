@@ -2,7 +2,7 @@
 
 Each opens the store with :func:`~ckptstore.cli.common.open_store` and calls one store method;
 retention, pins, tombstone-first deletes, gc's proofs, and which tiers of a tiered store
-(``--local``, ``--tier``) each acts on are the store's (protocol/maintenance.py).
+(``--local``, ``--tier``) each acts on are the store's (core/maintenance.py).
 """
 
 from __future__ import annotations

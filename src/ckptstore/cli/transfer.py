@@ -38,11 +38,11 @@ from ckptstore.cli.common import (
     retention_options,
 )
 from ckptstore.cli.format import human_size, plural, step_record
+from ckptstore.core.adoption import LocalPush, LocalStep, difference, local_steps
 from ckptstore.data.payload import Progress
 from ckptstore.data.transfer import path_filter, scan_dir
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.errors import ConflictError, NotFoundError
-from ckptstore.protocol.adoption import LocalPush, LocalStep, difference, local_steps
 from ckptstore.store import CheckpointStore
 
 F = TypeVar("F", bound=Callable[..., Any])

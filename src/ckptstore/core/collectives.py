@@ -29,7 +29,9 @@ def _timed_group(group: dist.ProcessGroup | None, timeout: float, use: str) -> d
             backend="gloo",
             use_local_synchronization=True,
         )
-        assert made is not None  # every rank of the group is a member
+        # every rank of the group is a member, so it gets the group, not what a non-member
+        # gets (None before torch 2.14, GroupMember.NON_GROUP_MEMBER, -100, since)
+        assert isinstance(made, dist.ProcessGroup), made
         _TIMED_GROUPS[key] = made
     return _TIMED_GROUPS[key]
 

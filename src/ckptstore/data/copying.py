@@ -12,7 +12,7 @@ Each file goes one of two ways:
   The process reads the bytes once and uploads none of them.
 * **Streamed** otherwise: ranged reads of the source (:class:`~ckptstore.data.transfer.ChunkReader`)
   feed the destination's streamed ``write`` (on S3, a parallel multipart upload). A
-  :class:`~ckptstore.protocol.verified.StreamCheck` sees each chunk on its way and raises after the
+  :class:`~ckptstore.data.verified.StreamCheck` sees each chunk on its way and raises after the
   last one, while the write still waits for the end of its input, so a file whose bytes do
   not match the manifest never appears at the destination: the upload is aborted, the
   temporary file removed.
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from ckptstore.backends.base import Backend, join
 from ckptstore.data.payload import Progress
 from ckptstore.data.transfer import ChunkReader, PullStopped
+from ckptstore.data.verified import StreamCheck, missing_file
 from ckptstore.deadline import submit
 from ckptstore.domain.manifest import FileEntry
 from ckptstore.errors import NotFoundError
-from ckptstore.protocol.verified import StreamCheck, missing_file
 
 READ_CHUNK = 32 << 20
 """Bytes per ranged read of the source (one ranged GET on S3): S3's default part size here, so

@@ -152,7 +152,7 @@ class VerifyReport:
     cannot be told from the original; ``ok`` is then about the bytes only."""
     tiers: tuple[str, ...] = ()
     """The URIs of the tiers whose copies were checked (a store with a local tier checks
-    each tier's copy: protocol/maintenance.py)."""
+    each tier's copy: core/maintenance.py)."""
 
     @property
     def ok(self) -> bool:

@@ -23,11 +23,11 @@ from types import TracebackType
 
 from ckptstore.backends.base import Backend, join
 from ckptstore.data.transfer import CHUNK_SIZE, PULL_CONCURRENCY, ChunkReader
+from ckptstore.data.verified import missing_file, size_mismatch
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import FileEntry
 from ckptstore.errors import NotFoundError
 from ckptstore.export.ledger import Ledger
-from ckptstore.protocol.verified import missing_file, size_mismatch
 
 
 class StepSource:

@@ -58,11 +58,9 @@ from ckptstore.errors import (
     ErrorContext,
     IncompleteCheckpointError,
 )
-from ckptstore.tiers.peers import recover_from_peer, send_to_peer
 
 if TYPE_CHECKING:
     from ckptstore.store import CheckpointStore
-    from ckptstore.tiers.persister import Persister
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -227,17 +225,15 @@ def _settle_tiers(
     tiers = store.tiers
     if tiers is None:
         return
-    node = tiers.node
     peers = _peer_comm(comm) if store.options.replicas else None  # every rank, every save
     if not isinstance(outcome, CheckpointInfo):
         if isinstance(outcome, DistributedCheckpointError) and outcome.discarded:
             tiers.abandon(step, {e.attempt for e in report.entries if e.attempt})
         return  # a step that may be committed keeps its files (gc judges them)
     if comm.rank != 0:
-        node.join(outcome.manifest)
+        tiers.join(outcome.manifest)
     if peers is not None:
-        entries = report.entries
-        node.to_peer(step, lambda: send_to_peer(peers, node, step, entries))
+        tiers.send_to_peer(peers, step, report.entries)
 
 
 def _step_context(store_uri: str, step: int) -> ErrorContext:
@@ -310,7 +306,7 @@ def _load(
     tiers = store.tiers
     also: list[CheckpointInfo] = []
     if tiers is not None:  # a node that kept a newer step than rank 0's offers it too
-        also = [i for i in comm.all_gather(_newest_here(store, tiers)) if i is not None]
+        also = [i for i in comm.all_gather(tiers.newest_here()) if i is not None]
     search = store.resolver.search(step, fallback=fallback, also=also) if comm.rank == 0 else None
     while True:
         offer: CheckpointInfo | CheckpointError | None = None
@@ -325,7 +321,7 @@ def _load(
         status: tuple[str, str] | None = None
         try:
             if tiers is not None and store.options.replicas:
-                recover_from_peer(_peer_comm(comm), tiers.node, offer, _paths_of(offer, comm.rank))
+                tiers.recover_from_peer(_peer_comm(comm), offer, _paths_of(offer, comm.rank))
             state = _read_rank(store, offer, comm.rank, allow_pickle)
         except VERIFY_ERRORS as e:
             local_error, status = e, ("corrupt", describe(e))
@@ -336,7 +332,7 @@ def _load(
         if not bad:
             store.last_loaded = offer
             if tiers is not None:  # this node's local tier holds the step whole again
-                tiers.node.hold(offer.manifest)
+                tiers.hold(offer.manifest)
             return state
         listed = "; ".join(f"rank {r}: {text}" for r, (_, text) in sorted(bad.items()))
         if any(kind == "error" for kind, _ in bad.values()):
@@ -389,15 +385,6 @@ def _paths_of(info: CheckpointInfo, rank: int) -> list[str]:
     """The paths of ``rank``'s files in a step of ``save_distributed``."""
     prefix = rank_dir(rank) + "/"
     return [f.path for f in info.files if f.path.startswith(prefix)]
-
-
-def _newest_here(store: CheckpointStore, tiers: Persister) -> CheckpointInfo | None:
-    """The newest step this node's local tier holds (None if none, or unreadable)."""
-    try:
-        return store.resolver.latest_in(tiers.local.catalog)
-    except CheckpointError as e:
-        log.warning("%s: the local tier offers no step: %s", tiers.local.uri, e)
-        return None
 
 
 def _read_rank(store: CheckpointStore, info: CheckpointInfo, rank: int, allow_pickle: bool) -> Any:

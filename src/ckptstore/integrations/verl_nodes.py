@@ -119,13 +119,13 @@ class NodeAgent:
         """At the job's end: copy this node's files of the last step it staged to the
         durable tier, if that step was not due (the driver's close waits for them)."""
         if self.store.tiers is not None:
-            self.store.tiers.node.share_last()
+            self.store.tiers.share_last()
 
     def join(self, manifest: Manifest) -> None:
         """The driver committed ``manifest``: commit it in this node's local tier too (the
         store's tiers, tiers/local.py); nothing without one."""
         if self.store.tiers is not None:
-            self.store.tiers.node.join(manifest)
+            self.store.tiers.join(manifest)
 
     def pull_newest(self, newer_than: int | None) -> tuple[int, tuple[int, ...]]:
         """Pull the step the store's resolver picks (latest, falling back past steps that

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from ckptstore.backends.base import Backend, join
+from ckptstore.data.verified import payload_sizes, read_verified
 from ckptstore.deadline import map_in_context
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo, SaveStats
@@ -45,7 +46,6 @@ from ckptstore.errors import (
 )
 from ckptstore.protocol.pointer import Pointer
 from ckptstore.protocol.step_index import Snapshot, StepIndex, stale
-from ckptstore.protocol.verified import payload_sizes, read_verified
 from ckptstore.retry import Backoff, Retry
 
 log = logging.getLogger(__name__)

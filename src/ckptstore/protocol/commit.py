@@ -23,7 +23,6 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from ckptstore.backends.base import Backend, Chunk
 from ckptstore.data.payload import Progress, SourceFile
@@ -36,6 +35,7 @@ from ckptstore.domain.manifest import (
     tombstone_attempts,
     tombstone_dropping,
 )
+from ckptstore.domain.plan import Previous
 from ckptstore.domain.step_index import Summary
 from ckptstore.errors import (
     BackendError,
@@ -61,35 +61,6 @@ log = logging.getLogger(__name__)
 COMMIT_OVER = Retry(BACKOFF, attempts=5)
 """Looks at a manifest key a commit finds taken, while removals keep changing it, with
 cas.py's backoff between them (they race those removals for the key)."""
-
-
-@dataclass(frozen=True)
-class Previous:
-    """The step ``latest`` named when a save began, and those of its files a stager may copy
-    instead of uploading. A coordinator reads the pointer and the manifest once and hands each
-    rank the entries under its own folder, so a rank's staging costs the same at 8 ranks as at
-    1,024 (README "Scale")."""
-
-    step: int | None
-    """``latest``'s step (None: no step yet); a save of an older step is refused."""
-    files: tuple[FileEntry, ...] = ()
-    """Entries of ``step`` (empty: nothing to copy, e.g. not incremental or another kind)."""
-
-    @classmethod
-    def of(cls, manifest: Manifest | None, latest: int | None = None) -> Previous:
-        """All of ``manifest``'s files; without one, only the pointer's step."""
-        if manifest is None:
-            return cls(latest)
-        return cls(manifest.step, manifest.files)
-
-    def only(self, prefix: str) -> Previous:
-        """The files under ``prefix`` (a folder, with its trailing ``/``)."""
-        return Previous(self.step, tuple(f for f in self.files if f.path.startswith(prefix)))
-
-    def among(self, paths: Iterable[str]) -> Previous:
-        """The files of these ``paths`` (a node's share of a directory step)."""
-        wanted = set(paths)
-        return Previous(self.step, tuple(f for f in self.files if f.path in wanted))
 
 
 class Committer:

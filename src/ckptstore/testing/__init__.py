@@ -1,6 +1,7 @@
-"""Tools to test a store and the storage under it, shipped so users can run them against their
-own setup: the backend contract suite every backend must pass (``contract``), an embedded S3
-server on loopback (``s3server``), and a fault-injecting S3 proxy with a model of S3's request
-rate limits (``faultproxy``, ``throttle``). Test-only machinery (the interleaving explorer, the
-kill fuzzer, the scale harness) lives in the repository's ``tests/harness`` and ``benchmarks``.
+"""What ships for testing: the backend contract suite a third-party backend runs to show it
+keeps the protocol (``contract``, as fsspec ships its abstract tests), and an embedded S3 server
+on loopback (``s3server``: moto's, which ``ckptstore demo`` and "Try S3 locally" start). Both are
+public. What tests ckptstore itself stays in the repository: the fault-injecting S3 proxy,
+S3's rate limits and rotating credentials (``tests/s3faults``), the interleaving explorer and
+the kill fuzzer (``tests/harness``), the scale harness (``benchmarks``).
 """

@@ -20,13 +20,12 @@ from ckptstore.deadline import clean_up, within
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import FileEntry, Manifest
-from ckptstore.domain.plan import Plan
+from ckptstore.domain.plan import Plan, Previous
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
     FencedError,
 )
-from ckptstore.protocol.commit import Previous
 
 log = logging.getLogger("ckptstore.tiers.persister")  # one logger for all of persisting
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from ckptstore.core.resolver import VERIFY_ERRORS
 from ckptstore.errors import (
     ConfigError,
     NotFoundError,
@@ -160,8 +161,6 @@ class TieredFiles:
     """Fastest first; the durable tier last."""
 
     def read_verified(self, step: int, entry: FileEntry) -> memoryview:
-        from ckptstore.core.resolver import VERIFY_ERRORS
-
         *faster, durable = self.tiers
         for index, catalog in enumerate(faster):
             try:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from ckptstore.data.copying import FileCopier
 from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError, ConflictError
 from ckptstore.protocol.catalog import StepState
@@ -128,8 +129,6 @@ class NodeTier:
             self._in_flight.setdefault(step, []).append(future)
 
     def _share(self, plan: Plan, entries: tuple[FileEntry, ...]) -> None:
-        from ckptstore.data.copying import FileCopier
-
         step = plan.step
         durable = self.durable
         attempts = {e.attempt for e in entries if e.attempt is not None}

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ckptstore.backends.base import join
-from ckptstore.protocol.verified import StreamCheck
+from ckptstore.data.verified import StreamCheck
 
 if TYPE_CHECKING:
     from ckptstore.backends.base import Backend

@@ -113,7 +113,7 @@ class PersistQueue:
             return self._copying | self.node.copying()
 
     def drop(self, step: int) -> None:
-        """``step`` is being deleted from the store (protocol/maintenance.py): no copy of it
+        """``step`` is being deleted from the store (core/maintenance.py): no copy of it
         runs once this returns (a queued one is skipped, the one in flight waited for), a
         failure of its copy is no longer news, and the durable tier's latest is read again
         at the next save. A later save of the step is persisted as any other."""
@@ -127,7 +127,7 @@ class PersistQueue:
 
     def pending(self, step: int) -> bool:
         """Whether ``step`` is on its way to the durable tier from this process, or its copy
-        failed and is not superseded: its local pin must stay (protocol/maintenance.py)."""
+        failed and is not superseded: its local pin must stay (core/maintenance.py)."""
         with self._lock:
             if step in self._copying or step in self._failures:
                 return True

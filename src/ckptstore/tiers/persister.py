@@ -17,17 +17,19 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 
+from ckptstore.core.collectives import Collectives
 from ckptstore.core.observer import SaveObserver
 from ckptstore.core.resolver import Resolver
 from ckptstore.core.saving import Saver
 from ckptstore.deadline import Deadline, current_deadline
-from ckptstore.domain.info import SaveStats
-from ckptstore.domain.manifest import FileEntry
+from ckptstore.domain.info import CheckpointInfo, SaveStats
+from ckptstore.domain.manifest import FileEntry, Manifest
 from ckptstore.domain.plan import Plan
-from ckptstore.errors import DeadlineExceededError, SaveTimeoutError
+from ckptstore.errors import CheckpointError, DeadlineExceededError, SaveTimeoutError
 from ckptstore.protocol.catalog import StepState, fenced
 from ckptstore.protocol.pointer import Pointer
 from ckptstore.tiers.local import LocalTier, PersistPolicy
+from ckptstore.tiers.peers import recover_from_peer, send_to_peer
 from ckptstore.tiers.persist_queue import PersistQueue
 
 log = logging.getLogger(__name__)
@@ -234,6 +236,45 @@ class Persister(PersistQueue):
         resolver = Resolver(self.durable.catalog, faster=(self.local.catalog,))
         newest = resolver.latest_in(self.local.catalog)
         return newest.step if newest is not None else None
+
+    # -- what a multi-process face calls (integrations/distributed.py, verl_nodes.py) --------
+    # Each forwards to this node's side of the save (node_tier.py) or to the peer copies
+    # (peers.py), so that a face calls the store's tiers and never walks into their parts.
+
+    def newest_here(self) -> CheckpointInfo | None:
+        """The newest step this node's local tier holds, by the durable fences; None when it
+        holds none or none is readable (said in a warning): a load then asks the others."""
+        try:
+            resolver = Resolver(self.durable.catalog, faster=(self.local.catalog,))
+            return resolver.latest_in(self.local.catalog)
+        except CheckpointError as e:
+            log.warning("%s: the local tier offers no step: %s", self.local.uri, e)
+            return None
+
+    def join(self, manifest: Manifest) -> None:
+        """A step another rank committed: commit it in this node's local tier too."""
+        self.node.join(manifest)
+
+    def hold(self, manifest: Manifest) -> None:
+        """This node's local tier holds ``manifest``'s step whole again (after a load)."""
+        self.node.hold(manifest)
+
+    def share_last(self) -> None:
+        """Share the last step this process staged, if it was not due (node_tier.py)."""
+        self.node.share_last()
+
+    def send_to_peer(self, peers: Collectives, step: int, staged: Sequence[FileEntry]) -> None:
+        """Behind the save: this rank's staged files of ``step`` copied to its peer on another
+        node, and its peers' written here (peers.py); every rank of ``peers`` calls it."""
+        node = self.node
+        node.to_peer(step, lambda: send_to_peer(peers, node, step, staged))
+
+    def recover_from_peer(
+        self, peers: Collectives, info: CheckpointInfo, paths: Sequence[str]
+    ) -> int:
+        """The files of ``paths`` this node lacks, asked of the peers holding them (peers.py);
+        every rank of ``peers`` calls it. Returns how many files this rank recovered."""
+        return recover_from_peer(peers, self.node, info, paths)
 
     def fences(self) -> Pointer | None:
         """The durable tier's pointer: its fences judge the steps of both tiers."""

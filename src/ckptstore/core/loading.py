@@ -23,13 +23,14 @@ from ckptstore.backends.base import Backend, join
 from ckptstore.backends.fsutil import move_into_place, unlink_quietly, write_temp
 from ckptstore.data.payload import Progress
 from ckptstore.data.transfer import ChunkReader, download_dir, path_filter, patterns
+from ckptstore.data.verified import StreamCheck, missing_file, size_mismatch
 from ckptstore.deadline import map_in_context, submit
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import KIND_STATE, FileEntry
+from ckptstore.domain.state_selection import check_keys
 from ckptstore.errors import ConfigError, CorruptCheckpointError, NotFoundError
 from ckptstore.protocol.catalog import Catalog
-from ckptstore.protocol.verified import StreamCheck, missing_file, size_mismatch
 
 READ_THREADS = 8
 
@@ -52,7 +53,6 @@ def load_state(
             step=info.step,
         )
     from ckptstore.data.serialize import SKELETON_FILE, decode_state
-    from ckptstore.domain.state_selection import check_keys
 
     selected = check_keys(keys) if keys is not None else None  # before any read
 
@@ -158,7 +158,7 @@ def download_step(
     about ``CHUNK_SIZE * PULL_CONCURRENCY``) into a temp file while its size, CRC32C and
     SHA-256 (where the manifest has one) are computed, and is renamed to its name only after
     they matched the manifest: the checks and errors of
-    :func:`~ckptstore.protocol.verified.check_file`.
+    :func:`~ckptstore.data.verified.check_file`.
     One listing per tier first finds each file in the fastest of ``tiers`` that holds it with
     its size (a node's local tier, then the durable one: only what the node lacks is fetched).
     """

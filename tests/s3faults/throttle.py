@@ -45,7 +45,7 @@ WRITES = frozenset(
         "DeleteObjects",
     ]
 )
-"""Operations (as :func:`~ckptstore.testing.faultproxy.operation` names them) that draw from
+"""Operations (as :func:`~s3faults.faultproxy.operation` names them) that draw from
 the write bucket; every other one draws from the read bucket."""
 
 

@@ -22,9 +22,9 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from ckptstore.testing import quirks
-from ckptstore.testing.faultmodes import Fault
-from ckptstore.testing.throttle import Throttle
+from s3faults import quirks
+from s3faults.faultmodes import Fault
+from s3faults.throttle import Throttle
 
 _ERRORS = {
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),

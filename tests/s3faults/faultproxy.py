@@ -17,12 +17,12 @@ Drawn per request from a seeded RNG at ``rate`` (``faults``):
   connection is closed.
 * ``delay``: forwarded after a random pause of up to ``max_delay`` seconds.
 
-Switched on and off by the test (:mod:`ckptstore.testing.faultmodes`, ``add_fault``): a stall
+Switched on and off by the test (:mod:`s3faults.faultmodes`, ``add_fault``): a stall
 (no answer, or silence after N bytes of either body), a trickle, a reset after N bytes, a
 brownout of 503s or 500s for T seconds, refused connections for T seconds; each for chosen
 operations and keys, each counting how often it fired. These take precedence over the rest.
 
-``throttle`` (a :class:`~ckptstore.testing.throttle.Throttle`) adds S3's request-rate limit: a
+``throttle`` (a :class:`~s3faults.throttle.Throttle`) adds S3's request-rate limit: a
 request beyond its prefix's rate is answered ``503 SlowDown`` with S3's XML error body and
 never reaches the server, whatever ``rate`` draws (see throttle.py for the model).
 
@@ -46,11 +46,11 @@ from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from ckptstore.testing.faulthandler import Handler, Proxy, operation
-from ckptstore.testing.faultmodes import Fault
-from ckptstore.testing.quirks import QUIRKS
-from ckptstore.testing.rotation import issued_at, key_of
-from ckptstore.testing.throttle import Throttle
+from s3faults.faulthandler import Handler, Proxy, operation
+from s3faults.faultmodes import Fault
+from s3faults.quirks import QUIRKS
+from s3faults.rotation import issued_at, key_of
+from s3faults.throttle import Throttle
 
 __all__ = ["FAULTS", "QUIRKS", "Fault", "FaultProxy", "operation"]
 

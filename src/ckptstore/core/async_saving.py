@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.core.coordination import check_not_behind
+from ckptstore.core.save_target import check_not_behind
 from ckptstore.core.saving import Saver
 from ckptstore.data.background import Abandon, BackgroundSaver, SaveHandle
 from ckptstore.deadline import Deadline, bounded
