@@ -6,7 +6,11 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 newest="${CKPTSTORE_NEWEST:-}"
 venv="$root/.venv${newest:+-newest}"
-extras="${CKPTSTORE_EXTRAS:-test}"
+# The pinned venv also takes `bench` (s3fs, s3torchconnector: the benchmark smoke runs compare
+# with them); the newest leaves it out, since s3fs's aiobotocore caps botocore below the newest.
+default_extras="test,bench"
+if [ -n "$newest" ]; then default_extras="test"; fi
+extras="${CKPTSTORE_EXTRAS:-$default_extras}"
 stamp="$venv/.installed-$extras"
 python="${PYTHON:-python3}"
 
