@@ -57,6 +57,7 @@ from ckptstore.integrations.verl_config import (
 )
 from ckptstore.integrations.verl_nodes import Fleet, assign_files, check_complete, make_fleet
 from ckptstore.integrations.verl_resume import Resume, prepare, prepare_resume
+from ckptstore.integrations.verl_steps import Placement
 from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,10 @@ class CkptstoreCallback:
         *,
         store: CheckpointStore | None = None,
         fleet: Fleet | None = None,
+        resume_at_load: bool = False,
     ) -> None:
+        """``resume_at_load``: leave the resume to :meth:`resume_placed`, which a trainer
+        calls once its workers are placed (verl_trainers.py)."""
         if config is None:
             raise ConfigError("CkptstoreCallback needs verl's trainer config (verl passes config=)")
         self.config = config
@@ -98,9 +102,16 @@ class CkptstoreCallback:
         """Commits that failed in a row (``max_failed_saves``)."""
         self.store.hold_lease()  # fail now, not at the first save hours later
         self.resume = Resume(None, "disabled")
+        if self.settings.resume and not resume_at_load:
+            self.resume_placed(None)
+
+    def resume_placed(self, placement: Placement | None) -> Resume:
+        """Prepare verl's resume (verl_resume.py): with ``placement`` (where verl placed each
+        rank), each node pulls only its own ranks' files and the shared ones."""
         if self.settings.resume:
-            self.resume = prepare(config, self.run, self.store, self.fleet)
+            self.resume = prepare(self.config, self.run, self.store, self.fleet, placement)
             self._replace.update(self.resume.skipped)
+        return self.resume
 
     @property
     def fleet(self) -> Fleet:
