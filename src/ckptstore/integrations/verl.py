@@ -55,7 +55,14 @@ from ckptstore.integrations.verl_config import (
     VerlRun,
     VerlStoreConfig,
 )
-from ckptstore.integrations.verl_nodes import Fleet, assign_files, check_complete, make_fleet
+from ckptstore.integrations.verl_nodes import (
+    Fleet,
+    RayFleet,
+    assign_files,
+    check_complete,
+    make_fleet,
+)
+from ckptstore.integrations.verl_placement import placement_of
 from ckptstore.integrations.verl_resume import Resume, prepare, prepare_resume
 from ckptstore.integrations.verl_steps import Placement
 from ckptstore.store import CheckpointStore
@@ -104,6 +111,12 @@ class CkptstoreCallback:
         self.resume = Resume(None, "disabled")
         if self.settings.resume and not resume_at_load:
             self.resume_placed(None)
+
+    def resume_workers(self, groups: Mapping[str, Any]) -> Resume:
+        """Prepare verl's resume once its worker groups are placed (role folder -> group):
+        on a Ray fleet each node pulls only what its ranks load (verl_placement.py)."""
+        placement = placement_of(groups) if isinstance(self.fleet, RayFleet) else None
+        return self.resume_placed(placement)
 
     def resume_placed(self, placement: Placement | None) -> Resume:
         """Prepare verl's resume (verl_resume.py): with ``placement`` (where verl placed each
