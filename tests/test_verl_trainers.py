@@ -221,3 +221,54 @@ def test_fully_async_trainer_commits_the_rollouters_state_and_resumes_it(
     assert ray.get(rollouter.next_batch.remote()) == after
     resumed.ckptstore.close()
     trainer.ckptstore.store.backend.close()
+
+
+# -- the entry point: verl's own main, with ckptstore's trainer in verl's TaskRunner ---------
+
+
+class Trainer:
+    """verl's trainer class as its TaskRunner's module names it."""
+
+
+class Runner:
+    """Builds the trainer by the name its module holds, as verl's TaskRunners do."""
+
+    def run(self, config: Any) -> Any:
+        return globals()["Trainer"]
+
+
+def remote_runner() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=3)(Runner)
+
+
+def test_the_entry_points_runner_builds_ckptstores_trainer_and_only_inside_run() -> None:
+    import sys
+
+    from ckptstore.integrations.verl_main import ENTRIES, Entry, task_runner
+
+    class Ours(Trainer):
+        pass
+
+    module = sys.modules[__name__]
+    module.RemoteRunner = remote_runner()  # type: ignore[attr-defined]
+    try:
+        runner = task_runner(Entry("unused", __name__, "RemoteRunner", "Trainer", Ours))
+        assert runner._default_options == {"num_cpus": 3}  # verl's options kept
+        assert runner.__ray_actor_class__().run(None) is Ours  # the class a Ray actor runs
+        assert module.Trainer is Trainer  # nothing outside run() sees it
+    finally:
+        del module.RemoteRunner  # type: ignore[attr-defined]
+    for name, entry in ENTRIES.items():  # verl 0.9.1's runners hold the names named here
+        verl_runner = importlib.import_module(entry.runner_module)
+        assert getattr(verl_runner, entry.trainer), name
+        assert issubclass(task_runner(entry).__ray_actor_class__,
+                          getattr(verl_runner, entry.runner).__ray_actor_class__), name  # fmt: skip
+
+
+def test_the_entry_point_names_its_choices() -> None:
+    from ckptstore.integrations.verl_main import main
+
+    with pytest.raises(ConfigError, match=r"verl_main \{ppo,one_step_off,fully_async\}"):
+        main(["sft"])
