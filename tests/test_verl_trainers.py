@@ -223,6 +223,47 @@ def test_fully_async_trainer_commits_the_rollouters_state_and_resumes_it(
     trainer.ckptstore.store.backend.close()
 
 
+def test_v1_trainer_through_the_entry_point_resumes_at_its_load(
+    tmp_path: Path, s3_uri: str, s3_endpoint: str
+) -> None:
+    """``verl_main ppo`` with the v1 trainer: verl's registered class with the resume moved to
+    its load (after placement); saves are verl's and the callback's as they are."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from ckptstore.integrations.verl import CkptstoreCallback, Resume
+    from ckptstore.integrations.verl_trainers import CkptstoreV1Mixin, v1_trainer_cls
+    from test_verl_v1_trainer import ActorWorkers, build_trainer, compose, dataloader
+
+    composed_config(tmp_path, s3_uri, s3_endpoint)  # the model and the config file
+    composed = compose(tmp_path / "conf")
+    trainer = build_trainer(composed, v1_trainer_cls)
+    assert type(trainer).__mro__[1:3] == (CkptstoreV1Mixin, get_trainer_cls("sync"))
+    callback = trainer.checkpoint_callback
+    assert type(callback) is CkptstoreCallback and callback.resume == Resume(None, "disabled")
+    trainer.actor_rollout_wg = ActorWorkers()
+    trainer.train_dataloader = dataloader()
+    batches = iter(trainer.train_dataloader)
+    for step in (1, 2):
+        next(batches)
+        trainer.global_steps = step
+        trainer._save_checkpoint()  # verl's, which calls the callback
+    after = next(batches).tolist()
+    assert [i.step for i in callback.store.list()] == [1, 2]
+    callback.close()
+    shutil.rmtree(callback.run.local_dir)
+
+    resumed = build_trainer(composed, v1_trainer_cls)
+    assert resumed.checkpoint_callback.resume.source == "disabled"  # nothing pulled yet
+    assert not Path(callback.run.local_dir).exists()
+    resumed.actor_rollout_wg = workers = ActorWorkers()
+    resumed.train_dataloader = dataloader()
+    resumed._load_checkpoint()
+    assert resumed.checkpoint_callback.resume == Resume(2, "store")
+    assert (resumed.global_steps, workers.loaded[0][1]) == (2, 2)
+    assert next(iter(resumed.train_dataloader)).tolist() == after
+    resumed.checkpoint_callback.close()
+
+
 # -- the entry point: verl's own main, with ckptstore's trainer in verl's TaskRunner ---------
 
 
@@ -246,7 +287,7 @@ def remote_runner() -> Any:
 def test_the_entry_points_runner_builds_ckptstores_trainer_and_only_inside_run() -> None:
     import sys
 
-    from ckptstore.integrations.verl_main import ENTRIES, Entry, task_runner
+    from ckptstore.integrations.verl_main import ENTRIES, Runner, task_runner
 
     class Ours(Trainer):
         pass
@@ -254,17 +295,20 @@ def test_the_entry_points_runner_builds_ckptstores_trainer_and_only_inside_run()
     module = sys.modules[__name__]
     module.RemoteRunner = remote_runner()  # type: ignore[attr-defined]
     try:
-        runner = task_runner(Entry("unused", __name__, "RemoteRunner", "Trainer", Ours))
+        runner = task_runner(Runner(__name__, "RemoteRunner", ((__name__, "Trainer", Ours),)))
         assert runner._default_options == {"num_cpus": 3}  # verl's options kept
         assert runner.__ray_actor_class__().run(None) is Ours  # the class a Ray actor runs
         assert module.Trainer is Trainer  # nothing outside run() sees it
     finally:
         del module.RemoteRunner  # type: ignore[attr-defined]
-    for name, entry in ENTRIES.items():  # verl 0.9.1's runners hold the names named here
-        verl_runner = importlib.import_module(entry.runner_module)
-        assert getattr(verl_runner, entry.trainer), name
-        assert issubclass(task_runner(entry).__ray_actor_class__,
-                          getattr(verl_runner, entry.runner).__ray_actor_class__), name  # fmt: skip
+    for entry in ENTRIES.values():  # verl 0.9.1's modules hold the names bound here
+        for verl_runner in entry.runners:
+            verl_class = getattr(importlib.import_module(verl_runner.module), verl_runner.name)
+            ours = task_runner(verl_runner)
+            assert issubclass(ours.__ray_actor_class__, verl_class.__ray_actor_class__)
+            assert ours._default_options == verl_class._default_options
+            for module, name, _ in verl_runner.binds:
+                assert hasattr(importlib.import_module(module), name), (module, name)
 
 
 def test_the_entry_point_names_its_choices() -> None:

@@ -34,7 +34,9 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 from importlib import metadata as importlib_metadata
 from typing import Any
@@ -68,6 +70,20 @@ from ckptstore.integrations.verl_steps import Placement
 from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
+
+_RESUME_AT_LOAD: ContextVar[bool] = ContextVar("ckptstore_verl_resume_at_load", default=False)
+
+
+@contextmanager
+def resume_at_load() -> Iterator[None]:
+    """Callbacks built inside the block leave the resume to :meth:`CkptstoreCallback.
+    resume_workers`: for a trainer subclass that builds verl's trainer (and so the callback)
+    here and calls it at its load, once the workers are placed (verl_trainers.py)."""
+    token = _RESUME_AT_LOAD.set(True)
+    try:
+        yield
+    finally:
+        _RESUME_AT_LOAD.reset(token)
 
 
 class CkptstoreCallback:
@@ -109,7 +125,7 @@ class CkptstoreCallback:
         """Commits that failed in a row (``max_failed_saves``)."""
         self.store.hold_lease()  # fail now, not at the first save hours later
         self.resume = Resume(None, "disabled")
-        if self.settings.resume and not resume_at_load:
+        if self.settings.resume and not (resume_at_load or _RESUME_AT_LOAD.get()):
             self.resume_placed(None)
 
     def resume_workers(self, groups: Mapping[str, Any]) -> Resume:
@@ -295,4 +311,5 @@ __all__ = [
     "VerlStoreConfig",
     "commit_step",
     "prepare_resume",
+    "resume_at_load",
 ]

@@ -8,7 +8,10 @@ its TaskRunners build the trainer by the name their module imported (``RayPPOTra
 config, its checks) with a TaskRunner that subclasses verl's and, inside its own process and
 for the length of its ``run``, binds that name to ckptstore's subclass. verl's files are not
 changed, and nothing outside the runner's ``run`` sees the binding. ``ppo`` with
-``trainer.use_v1=true`` (verl's default) is verl's v1 trainer, which takes the callback.
+``trainer.use_v1=true`` (verl's default) is verl's v1 trainer, which takes the callback; its
+runner gets verl's registered class with ckptstore's resume at load (``get_trainer_cls``
+returns :func:`~ckptstore.integrations.verl_trainers.v1_trainer_cls`'s), so each node pulls
+only its ranks' share there too.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -28,27 +31,36 @@ from ckptstore.integrations import verl_trainers
 
 
 @dataclass(frozen=True)
+class Runner:
+    """One of verl's TaskRunners: its module and name (where verl's ``main`` finds it), and the
+    names to bind inside its ``run``: ``(module, name, value)``."""
+
+    module: str
+    name: str
+    binds: tuple[tuple[str, str, Any], ...]
+
+
+@dataclass(frozen=True)
 class Entry:
-    """One of verl's entry points: the module of its ``main``, the module of its TaskRunner,
-    the TaskRunner's name there, and the trainer name that TaskRunner builds."""
+    """One of verl's entry points: the module of its ``main`` and the TaskRunners it runs."""
 
     main: str
-    runner_module: str
-    runner: str
-    trainer: str
-    ours: Any
+    runners: tuple[Runner, ...]
 
 
+_V0 = "verl.trainer.main_ppo_v0"
+_ONE_STEP = "verl.experimental.one_step_off_policy.main_ppo"
+_ASYNC = "verl.experimental.fully_async_policy.fully_async_main"
 ENTRIES = {
-    "ppo": Entry("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0", "TaskRunner",
-                 "RayPPOTrainer", verl_trainers.CkptstoreRayPPOTrainer),
-    "one_step_off": Entry("verl.experimental.one_step_off_policy.main_ppo",
-                          "verl.experimental.one_step_off_policy.main_ppo", "OneStepTaskRunner",
-                          "OneStepOffRayTrainer", verl_trainers.CkptstoreOneStepOffRayTrainer),
-    "fully_async": Entry("verl.experimental.fully_async_policy.fully_async_main",
-                         "verl.experimental.fully_async_policy.fully_async_main",
-                         "FullyAsyncTaskRunner", "FullyAsyncTrainer",
-                         verl_trainers.CkptstoreFullyAsyncTrainer),
+    "ppo": Entry("verl.trainer.main_ppo", (
+        Runner(_V0, "TaskRunner", ((_V0, "RayPPOTrainer", verl_trainers.CkptstoreRayPPOTrainer),)),
+        Runner("verl.trainer.main_ppo", "TaskRunnerV1",
+               (("verl.trainer.ppo.v1", "get_trainer_cls", verl_trainers.v1_trainer_cls),)),
+    )),
+    "one_step_off": Entry(_ONE_STEP, (Runner(_ONE_STEP, "OneStepTaskRunner", (
+        (_ONE_STEP, "OneStepOffRayTrainer", verl_trainers.CkptstoreOneStepOffRayTrainer),)),)),
+    "fully_async": Entry(_ASYNC, (Runner(_ASYNC, "FullyAsyncTaskRunner", (
+        (_ASYNC, "FullyAsyncTrainer", verl_trainers.CkptstoreFullyAsyncTrainer),)),)),
 }  # fmt: skip
 
 
@@ -63,19 +75,20 @@ def bound(module: ModuleType, name: str, value: Any) -> Iterator[None]:
         setattr(module, name, before)
 
 
-def task_runner(entry: Entry) -> Any:
-    """verl's TaskRunner for ``entry`` (a Ray actor class, with verl's options) whose ``run``
-    builds ckptstore's trainer subclass instead of verl's class."""
-    module = importlib.import_module(entry.runner_module)
-    remote = getattr(module, entry.runner)
+def task_runner(runner: Runner) -> Any:
+    """verl's TaskRunner (a Ray actor class, with verl's options) whose ``run`` builds
+    ckptstore's trainer: ``runner.binds`` hold inside it, in the runner's own process."""
+    remote = getattr(importlib.import_module(runner.module), runner.name)
     base: Any = remote.__ray_actor_class__
 
     class CkptstoreTaskRunner(base):  # type: ignore[misc]
         def run(self, config: Any) -> Any:
-            with bound(importlib.import_module(entry.runner_module), entry.trainer, entry.ours):
+            with ExitStack() as stack:
+                for module, name, value in runner.binds:
+                    stack.enter_context(bound(importlib.import_module(module), name, value))
                 return super().run(config)
 
-    CkptstoreTaskRunner.__name__ = CkptstoreTaskRunner.__qualname__ = f"Ckptstore{entry.runner}"
+    CkptstoreTaskRunner.__name__ = CkptstoreTaskRunner.__qualname__ = f"Ckptstore{runner.name}"
     options = dict(remote._default_options)  # verl's: num_cpus, max_concurrency, ...
     if not options:  # verl's bare @ray.remote
         return ray.remote(CkptstoreTaskRunner)
@@ -92,8 +105,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     entry = ENTRIES[args.pop(0)]
     sys.argv = [sys.argv[0], *args]  # what verl's Hydra main parses
-    runner_module = importlib.import_module(entry.runner_module)
-    with bound(runner_module, entry.runner, task_runner(entry)):
+    with ExitStack() as stack:  # verl's main finds ckptstore's TaskRunners
+        for runner in entry.runners:
+            module = importlib.import_module(runner.module)
+            stack.enter_context(bound(module, runner.name, task_runner(runner)))
         importlib.import_module(entry.main).main()
 
 

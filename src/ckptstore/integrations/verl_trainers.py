@@ -15,6 +15,10 @@ extension point there, so each gets a thin subclass with :class:`CkptstoreTraine
 * before verl's own load, once the workers are placed, the callback's resume: on a Ray
   cluster each node pulls only the shared files and its own ranks' shards.
 
+The v1 trainer takes the callback itself; :func:`v1_trainer_cls` gives it the same resume at
+load (its callback is built with the resume deferred, and the subclass runs it before verl's
+``_load_checkpoint``), so a v1 run through ``verl_main`` pulls each node's share too.
+
 verl's files are not touched: the subclasses call verl's methods and add to them.
 """
 
@@ -30,10 +34,11 @@ from verl.experimental.fully_async_policy.fully_async_trainer import (
 from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer
 from verl.experimental.separation.ray_trainer import SeparateRayPPOTrainer
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl.trainer.ppo.v1 import get_trainer_cls
 
 from ckptstore.domain import layout
 from ckptstore.errors import ConfigError
-from ckptstore.integrations.verl import CkptstoreCallback
+from ckptstore.integrations.verl import CkptstoreCallback, resume_at_load
 from ckptstore.integrations.verl_config import config_get
 from ckptstore.integrations.verl_resume import Resume
 
@@ -123,3 +128,37 @@ class CkptstoreFullyAsyncTrainerClass(CkptstoreTrainerMixin, _FullyAsyncTrainer)
 
 CkptstoreFullyAsyncTrainer = ray.remote(num_cpus=10)(CkptstoreFullyAsyncTrainerClass)
 """The Ray actor class, a drop-in for verl's ``FullyAsyncTrainer`` (``.remote(...)``)."""
+
+
+class CkptstoreV1Mixin:
+    """For a v1 trainer class (``PPOTrainerSync`` and the async modes): the callback verl
+    builds from ``trainer.checkpoint_callback_class`` leaves its resume to the load, which runs
+    it once verl placed the workers. Saves stay verl's and the callback's as they are."""
+
+    config: Any
+    checkpoint_callback: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with resume_at_load():  # verl builds the callback in here
+            super().__init__(*args, **kwargs)
+
+    def _load_checkpoint(self) -> Any:
+        callback = self.checkpoint_callback
+        if isinstance(callback, CkptstoreCallback):
+            groups = {"actor": self.actor_rollout_wg}  # type: ignore[attr-defined]
+            if getattr(self, "use_critic", False):
+                groups["critic"] = self.critic_wg  # type: ignore[attr-defined]
+            callback.resume_workers(groups)
+        return super()._load_checkpoint()  # type: ignore[misc]
+
+
+_V1_CLASSES: dict[type, type] = {}
+
+
+def v1_trainer_cls(trainer_mode: str) -> type:
+    """verl's ``get_trainer_cls(trainer_mode)`` with :class:`CkptstoreV1Mixin` first (the
+    class verl registered, so the mode's behaviour is verl's)."""
+    base = get_trainer_cls(trainer_mode)
+    if base not in _V1_CLASSES:
+        _V1_CLASSES[base] = type(f"Ckptstore{base.__name__}", (CkptstoreV1Mixin, base), {})
+    return _V1_CLASSES[base]
