@@ -9,8 +9,9 @@ composed by Hydra from verl's defaults, its real dataloader); the one-step-off a
 trainers' constructors need their rollout replicas and message queue (GPU servers), so they are
 made without them and their own ``_save_checkpoint`` / ``load_checkpoint`` run. In every case
 the actor's worker group is the stand-in of test_verl_v1_trainer (the GPU part; the files verl's
-FSDP checkpoint manager writes). The fully-async rollouter is verl's class, its own
-``save_checkpoint``/``load_checkpoint`` in a Ray actor, built without its replicas.
+FSDP checkpoint manager writes). The fully-async rollouter is verl's class with its own
+``save_checkpoint``/``load_checkpoint``, built without its replicas, called through a Ray
+handle's surface in this process (``ray.get`` of what it returns).
 """
 
 from __future__ import annotations
@@ -174,31 +175,81 @@ def test_one_step_off_trainer_commits_and_resumes_through_its_inherited_save_and
 def ray_local() -> Any:
     import ray
 
-    import verl_ranks
-
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(verl_ranks)  # workers cannot import tests/
     try:
         yield ray
     finally:
         ray.shutdown()
 
 
+class InProcess:
+    """A Ray actor handle's surface (``handle.method.remote(...)`` for ``ray.get``) over an
+    object in this process: the method runs at once (a coroutine to its end). The rollouter
+    runs here, not in a Ray worker that would import verl again."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        import ray
+
+        method = getattr(self._target, name)
+
+        class Call:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                result = method(*args)
+                if asyncio.iscoroutine(result):
+                    result = asyncio.run(result)
+                return ray.put(result)
+
+        return Call
+
+
+def rollouter_class() -> type:
+    """verl's FullyAsyncRollouter with its own save_checkpoint and load_checkpoint, built
+    without its rollout replicas (GPU servers): the dataloader they save and restore."""
+    from verl.experimental.fully_async_policy.fully_async_rollouter import FullyAsyncRollouter
+
+    class Rollouter(FullyAsyncRollouter.__ray_actor_class__):  # type: ignore[name-defined,misc]
+        def __init__(self, config: Any) -> None:
+            import torch
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            self.config = config
+            self.required_samples = 4
+            self.dataloader_lock = asyncio.Lock()
+            generator = torch.Generator().manual_seed(11)
+            self.train_dataloader = StatefulDataLoader(
+                list(range(40)), batch_size=4, shuffle=True, generator=generator
+            )
+            self._batches: Any = None
+
+        def next_batch(self) -> list[int]:
+            if self._batches is None:
+                self._batches = iter(self.train_dataloader)
+            return list(next(self._batches).tolist())
+
+        def steps(self) -> int:
+            return int(self.global_steps)
+
+    return Rollouter
+
+
 def test_fully_async_trainer_commits_the_rollouters_state_and_resumes_it(
     tmp_path: Path, s3_uri: str, s3_endpoint: str, ray_local: Any
 ) -> None:
     """verl's FullyAsyncTrainer saves under ``current_param_version`` and has the rollouter
-    (a Ray actor) write ``data.pt``; both come back from the URI, the rollouter's dataloader
+    write ``data.pt``; both come back from the URI, the rollouter's dataloader
     position included, in the order verl's fully_async_main loads them."""
-    import verl_ranks
     from ckptstore.integrations.verl_trainers import CkptstoreFullyAsyncTrainerClass as cls
 
     ray = ray_local
-    rollouter_actor = ray.remote(num_cpus=0)(verl_ranks.rollouter_class())
+    rollouter_cls = rollouter_class()
     composed = composed_config(tmp_path, s3_uri, s3_endpoint)
     config = resolved(composed)
     config.async_training = {"trigger_parameter_sync_step": 1}
-    rollouter = rollouter_actor.remote(config)
+    rollouter = InProcess(rollouter_cls(config))
     trainer = made_without_init(cls, config, rollouter=rollouter, trigger_parameter_sync_step=1)
     for version in (1, 2):
         ray.get(rollouter.next_batch.remote())
@@ -212,7 +263,7 @@ def test_fully_async_trainer_commits_the_rollouters_state_and_resumes_it(
     shutil.rmtree(config.trainer.default_local_dir)
     config = resolved(composed, takeover=True)
     config.async_training = {"trigger_parameter_sync_step": 1}
-    rollouter = rollouter_actor.remote(config)
+    rollouter = InProcess(rollouter_cls(config))
     resumed = made_without_init(cls, config, rollouter=rollouter, trigger_parameter_sync_step=1)
     assert asyncio.run(resumed.load_checkpoint()) == 2  # ckptstore's resume, then verl's
     ray.get(rollouter.load_checkpoint.remote())  # verl's rollouter, after the trainer

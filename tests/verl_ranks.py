@@ -214,35 +214,3 @@ class PlacedWorker:
 
     def ready(self) -> bool:
         return True
-
-
-def rollouter_class() -> type:
-    """verl's FullyAsyncRollouter with its own save_checkpoint and load_checkpoint, built
-    without its rollout replicas (GPU servers): the dataloader they save and restore."""
-    import asyncio
-
-    from verl.experimental.fully_async_policy.fully_async_rollouter import FullyAsyncRollouter
-
-    class Rollouter(FullyAsyncRollouter.__ray_actor_class__):  # type: ignore[name-defined,misc]
-        def __init__(self, config: Any) -> None:
-            import torch
-            from torchdata.stateful_dataloader import StatefulDataLoader
-
-            self.config = config
-            self.required_samples = 4
-            self.dataloader_lock = asyncio.Lock()
-            generator = torch.Generator().manual_seed(11)
-            self.train_dataloader = StatefulDataLoader(
-                list(range(40)), batch_size=4, shuffle=True, generator=generator
-            )
-            self._batches: Any = None
-
-        def next_batch(self) -> list[int]:
-            if self._batches is None:
-                self._batches = iter(self.train_dataloader)
-            return list(next(self._batches).tolist())
-
-        def steps(self) -> int:
-            return int(self.global_steps)
-
-    return Rollouter
