@@ -435,6 +435,20 @@ def test_node_shares_give_each_node_its_ranks_and_every_shared_file() -> None:
         node_shares(paths, {"actor": ["a", "c"]}, ["a", "b"])
 
 
+@needs_ray
+def test_a_placement_that_cannot_be_read_means_whole_step_pulls(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from ckptstore.integrations.verl_placement import placement_of
+
+    class NoWorkers:
+        workers = ()
+
+    with caplog.at_level(logging.WARNING):
+        assert placement_of({"actor": NoWorkers()}) is None
+    assert "every node pulls the whole step" in caplog.text
+
+
 def test_a_placed_resume_pulls_each_share_and_falls_back_past_a_corrupt_shard(
     tmp_path: Path, uri: str
 ) -> None:
