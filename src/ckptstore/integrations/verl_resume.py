@@ -149,9 +149,10 @@ def _choose(
     run: VerlRun, store: CheckpointStore, fleet: Fleet, placement: Placement | None
 ) -> tuple[int | None, tuple[int, ...], str]:
     """The step to resume from, the store's newer steps skipped, and where it comes from:
-    the store's newest step that verifies (the resolver, on the driver's node), unless the
-    local disks hold a newer one, whole on every node (a local tier: steps saved between
-    ``persist_every`` uploads); never nothing when the store holds steps."""
+    the store's newest step that verifies (the resolver, pulling on the driver's node, or
+    with ``placement`` each node's share on every node), unless the local disks hold a newer
+    one, whole on every node (a local tier: steps saved between ``persist_every`` uploads);
+    never nothing when the store holds steps."""
     driver = fleet.driver
     local = fleet.call("tracked_step", {driver: ()})[driver]
     if (
