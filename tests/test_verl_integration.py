@@ -8,6 +8,7 @@ ranks on CPU and skips when verl is not installed (CI installs it: ``ckptstore[v
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -35,6 +36,7 @@ from ckptstore.integrations.verl import (
     prepare_resume,
 )
 from ckptstore.integrations.verl_nodes import LocalFleet, NodeAgent, assign_files
+from ckptstore.integrations.verl_steps import node_shares
 from ckptstore.options import StoreOptions
 
 HAVE_VERL = importlib.util.find_spec("verl") is not None
@@ -411,6 +413,65 @@ def test_local_checkpoint_as_new_as_the_store_is_kept(tmp_path: Path, uri: str) 
     cb.close()
 
 
+def test_node_shares_give_each_node_its_ranks_and_every_shared_file() -> None:
+    paths = ["data.pt", "actor/huggingface/config.json", "actor/fsdp_config.json",
+             *(f"{role}/{kind}_world_size_2_rank_{r}.pt" for role in ("actor", "critic")
+               for kind in ("model", "optim") for r in (0, 1))]  # fmt: skip
+    shared = ["actor/fsdp_config.json", "actor/huggingface/config.json", "data.pt"]
+    shares = node_shares(paths, {"actor": ["b", "a"], "critic": ["a", "a"]}, ["a", "b"])
+    assert shares == {
+        "a": [*shared[:2], "actor/model_world_size_2_rank_1.pt",
+              "actor/optim_world_size_2_rank_1.pt", *sorted(p for p in paths if "critic" in p),
+              "data.pt"],
+        "b": [*shared[:2], "actor/model_world_size_2_rank_0.pt",
+              "actor/optim_world_size_2_rank_0.pt", "data.pt"],
+    }  # fmt: skip
+    assert node_shares(paths, {"actor": ["a", "b"]}, ["a", "b"]) == {  # critic: not placed
+        "a": sorted(p for p in paths if "actor" not in p or "rank_1" not in p),
+        "b": sorted(p for p in paths if "actor" not in p or "rank_0" not in p),
+    }
+    assert node_shares(paths, {"actor": ["a", "b", "a"]}, ["a", "b"]) is None  # resharded
+    with pytest.raises(ConfigError, match="node c, which has no ckptstore agent"):
+        node_shares(paths, {"actor": ["a", "c"]}, ["a", "b"])
+
+
+@needs_ray
+def test_a_placement_that_cannot_be_read_means_whole_step_pulls(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from ckptstore.integrations.verl_placement import placement_of
+
+    class NoWorkers:
+        workers = ()
+
+    with caplog.at_level(logging.WARNING):
+        assert placement_of({"actor": NoWorkers()}) is None
+    assert "every node pulls the whole step" in caplog.text
+
+
+def test_a_placed_resume_pulls_each_share_and_falls_back_past_a_corrupt_shard(
+    tmp_path: Path, uri: str
+) -> None:
+    """With verl's placement, each node pulls its ranks' files and the shared ones; a shard
+    that fails verification on one node makes the whole cluster fall back to the step before,
+    and no node keeps a part of the corrupt step."""
+    nodes, saved = save_three(tmp_path, uri)
+    shard = next((Path(uri) / "global_step_3").rglob("actor/model_world_size_2_rank_1.pt"))
+    shard.write_bytes(b"X" + shard.read_bytes()[1:])
+    _, fleet = two_nodes(tmp_path, uri)
+    cb = callback(verl_config(nodes[0], uri), fleet, resume_at_load=True)
+    assert cb.resume.source == "disabled" and not nodes[0].exists()  # nothing before placement
+    resume = cb.resume_placed({"actor": ["n1", "n0"]})  # rank 0 on node 1
+    assert (resume.step, resume.skipped, resume.source) == (2, (3,), "store")
+    for node, rank in ((nodes[0], 1), (nodes[1], 0)):
+        assert not (node / "global_step_3").exists()
+        held = files_of(node / "global_step_2")
+        mine = {p: b for p, b in saved[2].items() if "_rank_" not in p or f"_{rank}.pt" in p}
+        assert held == mine
+        assert (node / VERL_TRACKER_NAME).read_text() == "2"
+    cb.close()
+
+
 def test_resume_path_naming_a_store_step_is_pulled_and_rewritten(tmp_path: Path, uri: str) -> None:
     nodes, saved = save_three(tmp_path, uri)
     config = verl_config(nodes[0], uri)
@@ -519,9 +580,74 @@ def test_ray_nodes_without_shared_storage_upload_and_pull_their_own_files(
             assert files_of(disk / "global_step_1") == saved
             assert (disk / VERL_TRACKER_NAME).read_text() == "1"
         resumed.close()
+        each_node_downloads_only_its_ranks(root, disks, [fleet.driver, other], config, s3_uri)
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def each_node_downloads_only_its_ranks(
+    root: Path, disks: list[Path], nodes: list[str], config: dict[str, Any], uri: str
+) -> None:
+    """After verl placed its workers (here rank 0 on the second node, rank 1 on the driver's:
+    read from Ray, never assumed), each node pulls the shared files and its own ranks' shards,
+    so the bytes the server sends add up to the step's size once; every node pulling the
+    whole step (the callback, built before placement) is the baseline."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    import verl_ranks
+    from ckptstore.integrations.verl_nodes import RayFleet
+    from ckptstore.integrations.verl_placement import placement_of
+    from s3faults.faultproxy import FaultProxy
+
+    worker = ray.remote(num_cpus=0)(verl_ranks.PlacedWorker)
+    workers = [
+        worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+        for n in (nodes[1], nodes[0])
+    ]
+    ray.get([w.ready.remote() for w in workers])
+    groups = {"actor": type("Group", (), {"workers": workers})()}  # verl's RayWorkerGroup's
+    assert placement_of(groups) == {"actor": [nodes[1], nodes[0]]}
+
+    options = config["trainer"]["ckptstore"]["storage_options"]
+    shard = b"\x5a" * (5 << 10)  # rank files (50 times this) dominate the step, as in real runs
+    with FaultProxy(options["endpoint_url"]) as proxy:
+        proxied = copy.deepcopy(config)
+        proxied["trainer"]["ckptstore"]["storage_options"] = {"endpoint_url": proxy.endpoint_url}
+        fleet = RayFleet(str(root), uri, {"endpoint_url": proxy.endpoint_url},
+                         agent=verl_ranks.PerNodeDirAgent)  # fmt: skip
+        fleet.nodes()
+        cb = CkptstoreCallback(
+            proxied, store=VerlStoreConfig.from_verl(proxied).open(), fleet=fleet,
+            resume_at_load=True,
+        )  # fmt: skip
+        fake_save(disks, 2, salt=shard)
+        cb.on_save(global_step=2, checkpoint_dir=str(disks[0] / "global_step_2"))
+        size = cb.store.info(2).size
+        downloads = {}
+        for name in ("per node", "whole step"):
+            for disk in disks:
+                shutil.rmtree(disk)
+            before = proxy.body_bytes["GetObject"]
+            placed = name == "per node"
+            resume = cb.resume_workers(groups) if placed else cb.resume_placed(None)
+            assert resume.step == 2
+            downloads[name] = proxy.body_bytes["GetObject"] - before
+            if placed:  # rank r's shards on the node verl placed it on
+                for disk, rank in ((disks[0], 1), (disks[1], 0)):
+                    held = set(files_of(disk / "global_step_2"))
+                    assert {p for p in held if "_rank_" in p} == {
+                        f"actor/{k}_world_size_{WORLD}_rank_{rank}.pt"
+                        for k in ("model", "optim", "extra_state")
+                    }, held
+                    assert {"data.pt", "actor/huggingface/config.json"} <= held
+        cb.close()
+    ratios = {name: got / size for name, got in downloads.items()}
+    shown = "; ".join(f"{n} {downloads[n]:,} ({r:.3f}x the step)" for n, r in ratios.items())
+    print(f"\nresume on 2 raylets of a {size:,}-byte step, bytes the server sent: {shown}")
+    assert ratios["per node"] <= 1.05, ratios
+    assert ratios["whole step"] >= 1.9, ratios  # the baseline: each node pulled it all
 
 
 # -- a local tier: trainer.ckptstore.persist_every -------------------------------------------

@@ -127,8 +127,9 @@ def compose(config_dir: Path) -> Any:
         return hydra_compose(config_name="my_ppo")
 
 
-def build_trainer(composed: Any) -> Any:
-    """verl's ``main`` then ``TaskRunnerV1.run``, up to the trainer's constructor."""
+def build_trainer(composed: Any, trainer_for: Any = None) -> Any:
+    """verl's ``main`` then ``TaskRunnerV1.run``, up to the trainer's constructor
+    (``trainer_for``: what stands for verl's ``get_trainer_cls``)."""
     from omegaconf import OmegaConf
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.trainer.ppo.v1 import get_trainer_cls
@@ -142,7 +143,7 @@ def build_trainer(composed: Any) -> Any:
         use_reference_policy=need_reference_policy(config),
         use_critic=need_critic(config),
     )
-    trainer_cls = get_trainer_cls(config.trainer.v1.trainer_mode)
+    trainer_cls = (trainer_for or get_trainer_cls)(config.trainer.v1.trainer_mode)
     config.transfer_queue.enable = True
     OmegaConf.resolve(config)
     return trainer_cls(config=config)

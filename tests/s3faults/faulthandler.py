@@ -63,6 +63,8 @@ class Proxy(Protocol):
 
     def mode_for(self, op: str, key: str) -> Fault | None: ...
 
+    def sent(self, op: str, size: int) -> None: ...
+
     def track(self, connection: socket.socket, alive: bool) -> None: ...
 
     def refuses(self, op: str, authorization: str) -> bool: ...
@@ -252,14 +254,15 @@ class Handler(BaseHTTPRequestHandler):
         limit = body_length // 2 if fault in ("reset", "truncate") else body_length
         if mode is not None and mode.kind in ("stall", "reset"):
             limit = min(limit, mode.after or 0)
-        self._send_body(chunks, limit, mode)
+        self.proxy.sent(op, self._send_body(chunks, limit, mode))
         if fault == "reset" or (mode is not None and mode.kind == "reset"):
             self._reset()
         elif mode is not None and mode.kind == "stall":
             self._hold(mode)
 
-    def _send_body(self, chunks: Iterator[bytes], limit: int, mode: Fault | None) -> None:
-        """Up to ``limit`` bytes of the body; under a trickle, past its ``after`` at its rate."""
+    def _send_body(self, chunks: Iterator[bytes], limit: int, mode: Fault | None) -> int:
+        """Up to ``limit`` bytes of the body; under a trickle, past its ``after`` at its rate.
+        Returns how many it sent."""
         sent = 0
         fast = limit if mode is None or mode.kind != "trickle" else (mode.after or 0)
         for chunk in chunks:
@@ -276,6 +279,7 @@ class Handler(BaseHTTPRequestHandler):
                 view = view[len(piece) :]
             if sent >= limit:
                 break
+        return sent
 
     def _hold(self, mode: Fault) -> None:
         """Stay silent, reading nothing, until the client gives up (closes), the fault is

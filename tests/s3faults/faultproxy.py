@@ -112,6 +112,9 @@ class FaultProxy:
         """Random faults injected so far, by kind."""
         self.seen: Counter[str] = Counter()
         """Requests seen so far, by S3 operation."""
+        self.body_bytes: Counter[str] = Counter()
+        """Response body bytes sent to clients so far, by S3 operation (what a client
+        downloaded: ``body_bytes["GetObject"]``)."""
         self.conditions: Counter[str] = Counter()
         """Conditional requests seen so far, as ``"<operation> <header>"`` (before any quirk)."""
         self.requests: list[tuple[str, str, str]] | None = [] if record else None
@@ -191,6 +194,11 @@ class FaultProxy:
             kind = self._rng.choice(self.faults)
             self.injected[kind] += 1
             return kind, self._rng.uniform(0.0, self.max_delay)
+
+    def sent(self, op: str, size: int) -> None:
+        """A handler sent ``size`` body bytes of an ``op`` response (:attr:`body_bytes`)."""
+        with self._lock:
+            self.body_bytes[op] += size
 
     def refuses(self, op: str, authorization: str) -> bool:
         """Whether a request of ``op`` signed as ``authorization`` says is refused as expired

@@ -32,8 +32,9 @@ from ckptstore.export.archives import load_metas, tensor_span
 from ckptstore.export.found import Found, hf_files, json_object
 from ckptstore.export.plan import Piece, SourceTensor
 from ckptstore.export.source import StepSource
-from ckptstore.integrations.verl_reshard import FSDP_CONFIG, RANK_FILE, world_size_of
+from ckptstore.integrations.verl_reshard import FSDP_CONFIG, world_size_of
 from ckptstore.integrations.verl_reshard_tensors import check_shard, chunk_range
+from ckptstore.integrations.verl_steps import RANK_FILE
 
 LORA_META = "lora_train_meta.json"
 

@@ -34,7 +34,9 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 from importlib import metadata as importlib_metadata
 from typing import Any
@@ -55,11 +57,33 @@ from ckptstore.integrations.verl_config import (
     VerlRun,
     VerlStoreConfig,
 )
-from ckptstore.integrations.verl_nodes import Fleet, assign_files, check_complete, make_fleet
+from ckptstore.integrations.verl_nodes import (
+    Fleet,
+    RayFleet,
+    assign_files,
+    check_complete,
+    make_fleet,
+)
+from ckptstore.integrations.verl_placement import placement_of
 from ckptstore.integrations.verl_resume import Resume, prepare, prepare_resume
+from ckptstore.integrations.verl_steps import Placement
 from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
+
+_RESUME_AT_LOAD: ContextVar[bool] = ContextVar("ckptstore_verl_resume_at_load", default=False)
+
+
+@contextmanager
+def resume_at_load() -> Iterator[None]:
+    """Callbacks built inside the block leave the resume to :meth:`CkptstoreCallback.
+    resume_workers`: for a trainer subclass that builds verl's trainer (and so the callback)
+    here and calls it at its load, once the workers are placed (verl_trainers.py)."""
+    token = _RESUME_AT_LOAD.set(True)
+    try:
+        yield
+    finally:
+        _RESUME_AT_LOAD.reset(token)
 
 
 class CkptstoreCallback:
@@ -74,7 +98,10 @@ class CkptstoreCallback:
         *,
         store: CheckpointStore | None = None,
         fleet: Fleet | None = None,
+        resume_at_load: bool = False,
     ) -> None:
+        """``resume_at_load``: leave the resume to :meth:`resume_placed`, which a trainer
+        calls once its workers are placed (verl_trainers.py)."""
         if config is None:
             raise ConfigError("CkptstoreCallback needs verl's trainer config (verl passes config=)")
         self.config = config
@@ -98,9 +125,22 @@ class CkptstoreCallback:
         """Commits that failed in a row (``max_failed_saves``)."""
         self.store.hold_lease()  # fail now, not at the first save hours later
         self.resume = Resume(None, "disabled")
+        if self.settings.resume and not (resume_at_load or _RESUME_AT_LOAD.get()):
+            self.resume_placed(None)
+
+    def resume_workers(self, groups: Mapping[str, Any]) -> Resume:
+        """Prepare verl's resume once its worker groups are placed (role folder -> group):
+        on a Ray fleet each node pulls only what its ranks load (verl_placement.py)."""
+        placement = placement_of(groups) if isinstance(self.fleet, RayFleet) else None
+        return self.resume_placed(placement)
+
+    def resume_placed(self, placement: Placement | None) -> Resume:
+        """Prepare verl's resume (verl_resume.py): with ``placement`` (where verl placed each
+        rank), each node pulls only its own ranks' files and the shared ones."""
         if self.settings.resume:
-            self.resume = prepare(config, self.run, self.store, self.fleet)
+            self.resume = prepare(self.config, self.run, self.store, self.fleet, placement)
             self._replace.update(self.resume.skipped)
+        return self.resume
 
     @property
     def fleet(self) -> Fleet:
@@ -271,4 +311,5 @@ __all__ = [
     "VerlStoreConfig",
     "commit_step",
     "prepare_resume",
+    "resume_at_load",
 ]

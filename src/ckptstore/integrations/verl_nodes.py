@@ -136,24 +136,37 @@ class NodeAgent:
         found = self.store.resolver.resolve(None, True, self._pull_one, newer_than=newer_than)
         return found.info.step, found.skipped
 
-    def sync(self, step: int) -> bool:
-        """Make sure this node holds the whole committed ``step``; pull it if any file is
+    def sync(self, step: int, paths: Sequence[str] | None = None) -> bool:
+        """Make sure this node holds the committed ``step`` (only ``paths`` of it when given:
+        the files of the ranks it hosts and the shared ones, verl_placement.py); pull what is
         missing or has the wrong size. Returns whether it pulled. One load, by the store's
         ``load_timeout`` (resolver.py), as :meth:`pull_newest` is."""
         with self.store.resolver.loading(step):
             info = self.store.info(step)
+            wanted = set(paths) if paths is not None else None
             root = self.step_dir(step)
-            if all(_size(root / f.path) == f.size for f in info.files):
+            files = [f for f in info.files if wanted is None or f.path in wanted]
+            if all(_size(root / f.path) == f.size for f in files):
                 return False
-            self._pull_one(step)
+            self._pull_one(step, paths)
             return True
 
-    def _pull_one(self, info: CheckpointInfo | int) -> None:
+    def discard(self, step: int) -> None:
+        """Drop this node's copy of ``step`` (a step another node could not verify: the
+        resume falls back to an older one, and verl must not find half of this one)."""
+        if self.step_dir(step).exists():
+            old = self.local_dir / temp_name(f"old-{step}")
+            os.replace(self.step_dir(step), old)
+            _discard_dir(old)
+
+    def _pull_one(self, info: CheckpointInfo | int, paths: Sequence[str] | None = None) -> None:
         step = info if isinstance(info, int) else info.step
         self.local_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.local_dir / temp_name(f"pull-{step}")
-        try:
-            self.store.pull_dir(tmp, step=step, fallback=False)
+        include = [_literal(p) for p in paths] if paths is not None else []
+        try:  # with paths: every file excluded, then those taken back (the aws CLI's filters)
+            self.store.pull_dir(tmp, step=step, fallback=False, include=include,
+                                exclude="*" if paths is not None else ())  # fmt: skip
             target = self.step_dir(step)
             if target.exists():  # stale or partial: move it aside, then drop it
                 old = self.local_dir / temp_name(f"old-{step}")
@@ -383,6 +396,11 @@ def _reader(path: Path) -> Callable[[], Iterator[bytes]]:
             yield from iter_file(f.read)
 
     return chunks
+
+
+def _literal(path: str) -> str:
+    """``path`` as a glob that matches only itself (pull filters are fnmatch globs)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in path)
 
 
 def _discard_dir(path: Path) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,11 +43,11 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
 )
 from ckptstore.integrations.verl_reshard_files import convert_folder
+from ckptstore.integrations.verl_steps import RANK_FILE
 from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
-RANK_FILE = re.compile(r"^(?P<kind>.+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")
 SHARDED_KINDS = ("model", "optim")
 COPIED_KINDS = ("extra_state",)
 FSDP_CONFIG = "fsdp_config.json"

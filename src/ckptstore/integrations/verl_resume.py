@@ -6,6 +6,13 @@ newest step that verifies (the store's resolver, on the driver's node), unless t
 hold a newer one whole on every node (steps saved between ``persist_every`` uploads). Only an
 empty store and no local step start training from scratch. A step saved on another world size
 is resharded on every node before the tracker names it (verl_reshard.py).
+
+Given a :data:`~ckptstore.integrations.verl_steps.Placement` (where verl placed each rank,
+known once its workers exist: verl_placement.py), each node pulls only the shared files and
+its own ranks' shards, all nodes at once, so the cluster reads each byte of the step once;
+a file that fails verification on any node falls back to the previous step as before.
+Without one (the v1 callback, built before verl places its workers) every node pulls the
+whole step.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.domain import layout
+from ckptstore.domain.info import CheckpointInfo
 from ckptstore.errors import (
+    CheckpointError,
     CompatibilityError,
     ConfigError,
     CorruptCheckpointError,
@@ -25,6 +34,7 @@ from ckptstore.errors import (
 )
 from ckptstore.integrations.verl_config import VerlRun, VerlStoreConfig, config_set
 from ckptstore.integrations.verl_nodes import Fleet, check_complete, make_fleet
+from ckptstore.integrations.verl_steps import Placement, node_shares
 from ckptstore.store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -67,10 +77,17 @@ def prepare_resume(
             opened.close()
 
 
-def prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) -> Resume:
+def prepare(
+    config: Any,
+    run: VerlRun,
+    store: CheckpointStore,
+    fleet: Fleet,
+    placement: Placement | None = None,
+) -> Resume:
     """Choose the step and put it on every node, as one load: by the store's
     ``load_timeout`` (the resolver's deadline, which in-process agents share and a Ray fleet
-    waits for; each Ray agent's own store runs its pulls by it too)."""
+    waits for; each Ray agent's own store runs its pulls by it too). With ``placement``,
+    each node gets only what its ranks load (:func:`node_shares`)."""
     if run.resume_mode == "disable":
         return Resume(None, "disabled")
     if run.resume_mode not in ("auto", "resume_path"):
@@ -79,20 +96,23 @@ def prepare(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) -> 
         )
     with store.resolver.loading():
         if run.resume_mode == "resume_path":
-            return _resume_path(config, run, store, fleet)
-        return _resume_latest(run, store, fleet)
+            return _resume_path(config, run, store, fleet, placement)
+        return _resume_latest(run, store, fleet, placement)
 
 
-def _resume_latest(run: VerlRun, store: CheckpointStore, fleet: Fleet) -> Resume:
-    step, skipped, source = _choose(run, store, fleet)
+def _resume_latest(
+    run: VerlRun, store: CheckpointStore, fleet: Fleet, placement: Placement | None
+) -> Resume:
+    step, skipped, source = _choose(run, store, fleet, placement)
     if step is None:
         log.info("%s holds no checkpoint and %s none: training starts from step 0", store.uri,
                  run.local_dir)  # fmt: skip
         return Resume(None, "scratch")
-    others = [n for n in fleet.nodes() if n != fleet.driver]
     pulled = source == "store" or _committed(store, step)
-    if pulled:
-        fleet.call("sync", {n: (step,) for n in others})
+    if pulled and placement is not None:  # each node's share (a no-op where _choose pulled)
+        _sync_shares(store.info(step), fleet, placement)
+    elif pulled:
+        fleet.call("sync", {n: (step,) for n in fleet.nodes() if n != fleet.driver})
     resharded = _reshard(fleet, run, step)
     if pulled:
         _everywhere(fleet, "write_tracker", (step,))
@@ -108,11 +128,16 @@ def _resume_latest(run: VerlRun, store: CheckpointStore, fleet: Fleet) -> Resume
     return Resume(step, source, skipped, resharded)
 
 
-def _resume_path(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet) -> Resume:
+def _resume_path(
+    config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet, placement: Placement | None
+) -> Resume:
     step = _store_step(run.resume_from_path, store.uri)
     if step is None:
         return Resume(None, "local")  # a local path: verl loads it as usual
-    _everywhere(fleet, "sync", (step,))  # an explicit step: no fallback
+    if placement is None:  # an explicit step: no fallback
+        _everywhere(fleet, "sync", (step,))
+    else:
+        _sync_shares(store.info(step), fleet, placement)
     resharded = _reshard(fleet, run, step)
     _everywhere(fleet, "write_tracker", (step,))
     local_copy = os.path.join(run.local_dir, layout.step_dir(step))
@@ -121,12 +146,13 @@ def _resume_path(config: Any, run: VerlRun, store: CheckpointStore, fleet: Fleet
 
 
 def _choose(
-    run: VerlRun, store: CheckpointStore, fleet: Fleet
+    run: VerlRun, store: CheckpointStore, fleet: Fleet, placement: Placement | None
 ) -> tuple[int | None, tuple[int, ...], str]:
     """The step to resume from, the store's newer steps skipped, and where it comes from:
-    the store's newest step that verifies (the resolver, on the driver's node), unless the
-    local disks hold a newer one, whole on every node (a local tier: steps saved between
-    ``persist_every`` uploads); never nothing when the store holds steps."""
+    the store's newest step that verifies (the resolver, pulling on the driver's node, or
+    with ``placement`` each node's share on every node), unless the local disks hold a newer
+    one, whole on every node (a local tier: steps saved between ``persist_every`` uploads);
+    never nothing when the store holds steps."""
     driver = fleet.driver
     local = fleet.call("tracked_step", {driver: ()})[driver]
     if (
@@ -144,8 +170,15 @@ def _choose(
         return local, (), "local"
     if latest is None:
         return local, (), "local"
-    try:  # the driver's node pulls the step the resolver picks, newer than the local one
-        step, skipped = fleet.call("pull_newest", {driver: (local,)})[driver]
+    try:  # the step the resolver picks, newer than the local one, pulled where it is loaded
+        if placement is None:  # the driver's node first, the others after (_resume_latest)
+            step, skipped = fleet.call("pull_newest", {driver: (local,)})[driver]
+        else:
+            placed: Placement = placement
+            found = store.resolver.resolve(
+                None, True, lambda i: _sync_shares(i, fleet, placed, True), newer_than=local
+            )
+            step, skipped = found.info.step, found.skipped
         return step, skipped, "store"
     except NotFoundError:
         log.info("%s holds no step newer than local step %s; resuming from it", store.uri, local)
@@ -155,6 +188,23 @@ def _choose(
         log.warning("no step of %s newer than local step %d loads (%s); resuming from it",
                     store.uri, local, e)  # fmt: skip
     return local, (), "local"
+
+
+def _sync_shares(
+    info: CheckpointInfo, fleet: Fleet, placement: Placement, discard: bool = False
+) -> None:
+    """Every node pulls its share of ``info``'s step at once: the shared files and its ranks'
+    shards, or the whole step when it was saved on another world size (it is resharded).
+    With ``discard``, a failure leaves no node with a part of the step (the resolver falls
+    back to an older one, which verl must load alone)."""
+    nodes = fleet.nodes()
+    shares = node_shares([f.path for f in info.files], placement, nodes)
+    try:
+        fleet.call("sync", {n: (info.step, shares[n] if shares else None) for n in nodes})
+    except CheckpointError:
+        if discard:
+            fleet.call("discard", {n: (info.step,) for n in nodes})
+        raise
 
 
 def _whole_on_every_node(fleet: Fleet, step: int) -> bool:

@@ -9,13 +9,63 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 from ckptstore.domain import layout
-from ckptstore.errors import ConflictError, IncompleteCheckpointError
+from ckptstore.errors import ConfigError, ConflictError, IncompleteCheckpointError
 
-_RANK_FILE = re.compile(r"^(?P<kind>.+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")
-RANK_FILE = _RANK_FILE
+RANK_FILE = re.compile(r"^(?P<kind>.+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")
 """The per-rank files verl's FSDP checkpoint manager writes: ``{kind}_world_size_W_rank_R.pt``."""
+
+Placement = Mapping[str, Sequence[str]]
+"""Where verl placed each role's ranks: role folder (``actor``, ``critic``) -> the node of
+rank 0, 1, ... (read from the placed worker groups, verl_placement.py)."""
+
+
+class RankFile(NamedTuple):
+    folder: str
+    kind: str
+    world: int
+    rank: int
+
+
+def rank_file(path: str) -> RankFile | None:
+    """``actor/model_world_size_4_rank_2.pt`` -> ``("actor", "model", 4, 2)``; None for the
+    files every rank shares (``data.pt``, ``huggingface/``, ``fsdp_config.json``)."""
+    folder, _, name = path.rpartition("/")
+    match = RANK_FILE.match(name)
+    if match is None:
+        return None
+    return RankFile(folder, match["kind"], int(match["world"]), int(match["rank"]))
+
+
+def node_shares(
+    paths: Sequence[str], placement: Placement, nodes: Sequence[str]
+) -> dict[str, list[str]] | None:
+    """The files of a step each node needs to load it where verl placed its ranks: every
+    shared file, and the rank files of the ranks it hosts; a rank file of a role the
+    placement does not name goes to every node. None when the step's rank files are of
+    another world size than the placement's (the step is resharded, which reads them all)."""
+    shares: dict[str, list[str]] = {node: [] for node in nodes}
+    for path in sorted(paths):
+        found = rank_file(path)
+        ranks = placement.get(found.folder) if found is not None else None
+        if found is None or ranks is None:
+            for share in shares.values():
+                share.append(path)
+            continue
+        if found.world != len(ranks):
+            return None
+        node = ranks[found.rank]
+        if node not in shares:
+            raise ConfigError(
+                f"rank {found.rank} of {found.folder}/ runs on node {node}, which has no "
+                f"ckptstore agent, so it could not load {path}; the agents' node list is "
+                "out of date (a node joined after the resume began): restart the job",
+                path=path,
+            )
+        shares[node].append(path)
+    return shares
 
 
 def assign_files(
@@ -84,11 +134,10 @@ def check_ranks(paths: Iterable[str], step: int) -> None:
     where = layout.step_dir(step)
     ranks: dict[tuple[str, int], set[int]] = {}
     for path in paths:
-        folder, _, name = path.rpartition("/")
-        match = _RANK_FILE.match(name)
-        if match:
-            key = (f"{folder}/{match['kind']}" if folder else match["kind"], int(match["world"]))
-            ranks.setdefault(key, set()).add(int(match["rank"]))
+        held = rank_file(path)
+        if held is not None:
+            kind = f"{held.folder}/{held.kind}" if held.folder else held.kind
+            ranks.setdefault((kind, held.world), set()).add(held.rank)
     for (kind, world), found in sorted(ranks.items()):
         missing = sorted(set(range(world)) - found)
         if missing:
