@@ -229,7 +229,9 @@ def test_a_node_without_agent_commits_nothing(tmp_path: Path, uri: str) -> None:
     only_driver = LocalFleet({"n0": NodeAgent(str(nodes[0]), uri, {})})
     cb = callback(verl_config(nodes[0], uri, max_failed_saves=1), only_driver)
     fake_save(nodes, 1)
-    with pytest.raises(CheckpointError, match=r"rank\(s\) 1: no node or rank that reported holds it") as caught:
+    with pytest.raises(
+        CheckpointError, match=r"rank\(s\) 1: no node or rank that reported holds it"
+    ) as caught:
         cb.on_save(global_step=1, checkpoint_dir=str(nodes[0] / "global_step_1"))
     assert isinstance(caught.value.__cause__, IncompleteCheckpointError)
     with CheckpointStore(uri, lease=False) as store:
