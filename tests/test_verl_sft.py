@@ -24,14 +24,17 @@ import pytest
 
 import ckptstore
 from ckptstore import CheckpointStore
+from ckptstore.cli.main import run
 from ckptstore.errors import ConfigError, IncompleteCheckpointError
+from ckptstore.integrations.verl_reshard import reshard_from_store
 from ckptstore.integrations.verl_sft_files import (
     RankFiles,
     check_sft_complete,
     include_patterns,
     saved_world_size,
 )
-from ckptstore.integrations.verl_steps import assign_files
+from ckptstore.integrations.verl_steps import assign_files, role_folder
+from export_checks import assert_bits, exported
 
 HAVE_VERL = importlib.util.find_spec("verl") is not None
 needs_verl = pytest.mark.skipif(
@@ -109,6 +112,18 @@ def test_a_step_without_model_files_is_refused_and_a_ppo_step_is_not_an_sft_step
         check_sft_complete(["data_0.pt", *SHARED], 4, ["data_0.pt"])
     assert saved_world_size(["actor/model_world_size_2_rank_0.pt", "data.pt"]) is None
     assert saved_world_size([*step_files(0, 4), "data_0.pt"]) == 4
+
+
+def test_an_sft_steps_role_is_its_top_level_and_it_has_no_other_role() -> None:
+    """The one rule by which the export (and the signed export's pull) finds a step's model:
+    role folders in a PPO step, the top level in an SFT step."""
+    sft = [*step_files(0), *step_files(1), "data_0.pt", *SHARED]
+    ppo = [f"actor/{p}" for p in step_files(0)] + [f"critic/{p}" for p in step_files(0)]
+    assert role_folder(sft) == "" and role_folder(sft, "") == ""
+    assert role_folder(ppo) == "actor" and role_folder(ppo, "critic") == "critic"
+    assert role_folder(["state.json", ".metadata"], "critic") == "critic"  # no verl files
+    with pytest.raises(ConfigError, match=r"a verl SFT step.*no role 'critic'"):
+        role_folder(sft, "critic")
 
 
 def test_store_options_with_retention_survive_dataclasses_replace() -> None:
@@ -268,7 +283,7 @@ def overrides(root: Path, uri: str, options: dict[str, Any]) -> list[str]:
 
 
 def torchrun(
-    root: Path, job: str, kill_at: int, args: list[str]
+    root: Path, job: str, kill_at: int, args: list[str], nproc: int = 2
 ) -> subprocess.CompletedProcess[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -278,7 +293,7 @@ def torchrun(
            "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1", "--master_port", str(port),
         str(TESTS / "verl_sft_ranks.py"), str(root), job, str(kill_at), *args,
     ]  # fmt: skip
@@ -289,6 +304,28 @@ def recorded(root: Path, job: str, tag: str, rank: int) -> dict[str, Any]:
     import torch
 
     return torch.load(root / job / f"{tag}-rank{rank}.pt", weights_only=False)
+
+
+def gathered(root: Path, job: str, tag: str, world: int = 2) -> dict[str, Any]:
+    """The full model and optimizer state recorded at ``tag``: FSDP2 shards every tensor
+    ``Shard(0)`` in rank order, so a full tensor is its ranks' shards concatenated; what is
+    not sharded (0-d step counters, param_groups) must agree on every rank."""
+    import torch
+
+    def join(values: list[Any], where: str) -> Any:
+        first = values[0]
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            return torch.cat(values)
+        if isinstance(first, dict):
+            return {k: join([v[k] for v in values], f"{where}.{k}") for k in first}
+        if isinstance(first, list):
+            return [join([v[i] for v in values], f"{where}[{i}]") for i in range(len(first))]
+        for value in values[1:]:
+            assert_same(first, value, where)
+        return first
+
+    states = [recorded(root, job, tag, rank) for rank in range(world)]
+    return {key: join([s[key] for s in states], key) for key in ("model", "optim")}
 
 
 def assert_same(a: Any, b: Any, where: str) -> None:
@@ -374,3 +411,41 @@ def test_real_verl_sft_saves_every_ranks_share_killed_then_resumes_from_the_uri_
     assert [i.step for i in store.list()] == [2, 3, 4]  # keep_last=3; step 2 replaced
     store.pull_dir(tmp_path / "step2", step=2, fallback=False)  # verifies every byte
     assert (tmp_path / "b" / "tier" / "global_step_4").is_dir()
+
+    # 3. An SFT step's top level is its role: exported to Hugging Face from the URI, it is the
+    # trained model's full state dict, bit for bit, with verl's config and tokenizer
+    full = gathered(tmp_path, "b", "post-4")
+    out = tmp_path / "hf"
+    endpoint = ["--endpoint-url", s3_options["endpoint_url"]]
+    assert run(["export", s3_uri, "4", str(out), *endpoint]) == 0
+    assert_bits(exported(out), full["model"])
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded: Any = AutoModelForCausalLM.from_pretrained(out)
+    assert_bits(loaded.state_dict(), full["model"])
+    # ... and resharded for another world size: 2 ranks consumed 2 x 8 samples, which 4 ranks
+    # split 4 x 4 (a DistributedSampler takes rank r's positions r, r+D, ... of one permutation)
+    done = reshard_from_store(store, 4, tmp_path / "w4", 4)
+    assert (done.source_world_size, done.world_size, done.folders) == (2, 4, (".",))
+    loaders = [torch.load(tmp_path / "w4" / f"data_{d}.pt") for d in range(4)]
+    assert [s["_sampler_iter_state"]["samples_yielded"] for s in loaders] == [4, 4, 4, 4]
+    assert [s["_num_yielded"] for s in loaders] == [4, 4, 4, 4]  # steps stay steps
+
+    # 4. The same step resumed by a job of ONE rank: pulled whole, resharded for it before
+    # verl loads; model, optimizer, lr scheduler and data position are the 2-rank job's
+    one = [a for a in args if not a.startswith("trainer.total_training_steps=")]
+    single = torchrun(tmp_path, "c", 0, [*one, "trainer.total_training_steps=5"], nproc=1)
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-4000:]
+    mine = recorded(tmp_path, "c", "pre-5", 0)
+    assert mine["resumed"] == 4
+    assert_same({"model": mine["model"], "optim": mine["optim"]}, full, "1 rank vs 2")
+    before = recorded(tmp_path, "b", "post-4", 0)
+    assert_same(mine["sched"], before["sched"], "sched")
+    # 16 samples consumed, then step 5's 4: the one rank skips exactly the samples seen
+    loader = before["loader"] | {"_num_yielded": 5, "_sampler_iter_yielded": 5}
+    assert_same(mine["loader"], loader | {"_sampler_iter_state": {"samples_yielded": 20}}, "data")
+    assert (tmp_path / "c" / "post-5-rank0.pt").is_file()
+    store.reload()
+    assert "model_world_size_1_rank_0.pt" in {f.path for f in store.info(5).files}

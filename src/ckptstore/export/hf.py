@@ -45,6 +45,7 @@ from ckptstore.export.records import ExportRecord, find_record, write_record
 from ckptstore.export.source import StepSource
 from ckptstore.export.target import Target, open_target
 from ckptstore.export.writer import ModelWriter
+from ckptstore.integrations.verl_steps import in_folder, role_folder
 from ckptstore.store import CheckpointStore
 
 DEFAULT_SHARD_SIZE = 5 * 10**9
@@ -273,7 +274,9 @@ def _source(
         return
     with tempfile.TemporaryDirectory(prefix="ckptstore-export-") as tmp:
         local = Path(tmp) / "step"
-        include = [f"{role}/model_*", f"{role}/*.json", f"{role}/huggingface/*", ".metadata"]
+        folder = role_folder((f.path for f in info.files), role)
+        include = [in_folder(folder, n) for n in ("model_*", "*.json", "huggingface/*")]
+        include.append(".metadata")
         include += ["*.distcp", "state.json", "*.safetensors", "huggingface/*"]
         pulled = store.pull_dir(local, step=info.step, fallback=False, include=include, exclude="*")
         keys = {e.path: e.path for e in pulled.files if (local / e.path).is_file()}

@@ -1,7 +1,9 @@
-"""The model of a verl FSDP step (``actor/`` or ``critic/``), found tensor by tensor.
+"""The model of a verl FSDP step (``actor/`` or ``critic/``; an SFT step's top level), found
+tensor by tensor.
 
 verl 0.9.1's FSDPCheckpointManager saves ``model.state_dict()`` on every rank as
-``{role}/model_world_size_W_rank_R.pt``. Under FSDP2 a parameter is a DTensor ``Shard(0)`` on a
+``{role}/model_world_size_W_rank_R.pt`` (the SFT trainer at the step's top level: the
+role's folder is verl_steps.role_folder's). Under FSDP2 a parameter is a DTensor ``Shard(0)`` on a
 1-D mesh of the W ranks, each rank holding ``torch.chunk``'s rows (the last ranks fewer, or
 none); what FSDP did not shard (buffers, and on one rank everything, as plain tensors) is a
 plain tensor, replicated on every rank. So a full tensor is its ranks' rows in order, and a
@@ -34,16 +36,18 @@ from ckptstore.export.plan import Piece, SourceTensor
 from ckptstore.export.source import StepSource
 from ckptstore.integrations.verl_reshard import FSDP_CONFIG, world_size_of
 from ckptstore.integrations.verl_reshard_tensors import check_shard, chunk_range
-from ckptstore.integrations.verl_steps import RANK_FILE
+from ckptstore.integrations.verl_steps import RANK_FILE, in_folder, rank_file, role_folder
 
 LORA_META = "lora_train_meta.json"
 
 
 def model_files(source: StepSource, role: str) -> dict[int, str]:
-    """Rank -> path of ``{role}/model_world_size_W_rank_R.pt``; empty if the role has none."""
+    """Rank -> path of ``{role}/model_world_size_W_rank_R.pt`` (an SFT step: at the top
+    level); empty if the role has none."""
     found: dict[int, str] = {}
-    paths = [p for p in source.entries if p.rpartition("/")[0] == role]
-    world_size_of(paths, where=source.where(role))  # several world sizes: ConflictError
+    folder = role_folder(source.entries, role)
+    paths = [p for p in source.entries if p.rpartition("/")[0] == folder]
+    world_size_of(paths, where=source.where(folder))  # several world sizes: ConflictError
     for path in paths:
         match = RANK_FILE.match(path.rpartition("/")[2])
         if match is not None and match["kind"] == "model":
@@ -52,11 +56,14 @@ def model_files(source: StepSource, role: str) -> dict[int, str]:
 
 
 def find_verl(source: StepSource, role: str) -> Found:
-    files = model_files(source, role)
+    folder = role_folder(source.entries, role)
+    files = model_files(source, folder)
     if not files:
-        roles = sorted({p.split("/")[0] for p in source.entries if RANK_FILE.search(p)})
+        roles = sorted(
+            {held.folder or "(top level)" for p in source.entries if (held := rank_file(p))}
+        )
         raise NotFoundError(
-            f"{source.where(role)}: no model_world_size_W_rank_R.pt files, so no verl model "
+            f"{source.where(folder)}: no model_world_size_W_rank_R.pt files, so no verl model "
             f"for role {role!r} (roles with rank files: {', '.join(roles) or 'none'}); pass "
             "--role critic for a critic",
             uri=source.info.uri,
@@ -69,24 +76,24 @@ def find_verl(source: StepSource, role: str) -> Found:
     missing = sorted(set(range(declared)) - set(files))
     if missing or world != declared:
         raise IncompleteCheckpointError(
-            f"{source.where(role)}: model files of {declared} ranks, rank(s) {missing} missing; "
+            f"{source.where(folder)}: model files of {declared} ranks, rank(s) {missing} missing; "
             "a step whose rank files are incomplete cannot be exported",
             uri=source.info.uri,
             step=source.step,
         )
-    _check_fsdp_config(source, role, world)
+    _check_fsdp_config(source, folder, world)
     trees = load_metas(source, [files[r] for r in range(world)])
     found = Found("verl", [], world_size=world)
-    found.hf_files = hf_files(source.entries, f"{role}/huggingface")
-    meta_path = f"{role}/{LORA_META}"
+    found.hf_files = hf_files(source.entries, in_folder(folder, "huggingface"))
+    meta_path = in_folder(folder, LORA_META)
     if meta_path in source.entries:
         found.lora_meta = json_object(source.whole(meta_path), source.where(meta_path))
     _collect(found, trees, [files[r] for r in range(world)], source)
     return found
 
 
-def _check_fsdp_config(source: StepSource, role: str, world: int) -> None:
-    path = f"{role}/{FSDP_CONFIG}"
+def _check_fsdp_config(source: StepSource, folder: str, world: int) -> None:
+    path = in_folder(folder, FSDP_CONFIG)
     if path not in source.entries:
         return  # older layouts (verl#2252): the file names say the world size
     config = json_object(source.whole(path), source.where(path))

@@ -16,6 +16,10 @@ of its own world size. This module rewrites those folders for W' ranks:
   draw the same random numbers it would have drawn on W ranks.
 * ``fsdp_config.json`` gets the new world size; every other file (``huggingface/``,
   ``data.pt``, the driver's dataloader state) is kept as it is (hard-linked when possible).
+* An SFT step's folder is its top level (verl_steps.role_folder), converted the same way; its
+  per-data-parallel-rank dataloader states ``data_D.pt`` are rewritten for the new number of
+  data-parallel ranks so the new ranks go on with the samples not yet seen
+  (verl_reshard_files.reshard_loaders).
 
 What cannot be resharded is refused before anything is written: FSDP1 (its optimizer state is
 flat-parameter shards whose layout the files do not record), tensor-parallel or HSDP meshes,
@@ -42,7 +46,8 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ckptstore.integrations.verl_reshard_files import convert_folder
+from ckptstore.integrations.verl_reshard_files import convert_folder, reshard_loaders
+from ckptstore.integrations.verl_sft_files import DATA_FILE
 from ckptstore.integrations.verl_steps import RANK_FILE
 from ckptstore.store import CheckpointStore
 
@@ -77,12 +82,19 @@ def world_size_of(paths: Iterable[str], *, where: str = "the step") -> int | Non
 
 
 def reshard_dir(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], world_size: int
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    world_size: int,
+    *,
+    data_ranks: int | None = None,
 ) -> Resharded:
     """Write ``src`` (a verl ``global_step_N``) resharded for ``world_size`` ranks into ``dst``,
-    which must not exist or be empty; ``dst`` appears only once complete."""
+    which must not exist or be empty; ``dst`` appears only once complete. ``data_ranks`` is
+    the new job's data-parallel size, for an SFT step's ``data_D.pt`` files (default:
+    ``world_size``)."""
     source, target = Path(src), Path(dst)
     _check_world(world_size)
+    _check_world(world_size if data_ranks is None else data_ranks)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConflictError(
             f"{target} exists and is not an empty directory; choose a new output directory",
@@ -92,7 +104,7 @@ def reshard_dir(
     tmp = target.parent / temp_name(target.name)
     tmp.mkdir()
     try:
-        done = _convert(source, tmp, world_size)
+        done = _convert(source, tmp, world_size, data_ranks or world_size)
         if target.exists():
             target.rmdir()
         os.replace(tmp, target)
@@ -101,7 +113,9 @@ def reshard_dir(
     return done
 
 
-def reshard_in_place(step_dir: str | os.PathLike[str], world_size: int) -> Resharded | None:
+def reshard_in_place(
+    step_dir: str | os.PathLike[str], world_size: int, *, data_ranks: int | None = None
+) -> Resharded | None:
     """Reshard a local ``global_step_N`` for ``world_size`` ranks where it is; None (and nothing
     touched) when it is missing or already saved on ``world_size`` ranks."""
     root = Path(step_dir)
@@ -111,7 +125,7 @@ def reshard_in_place(step_dir: str | os.PathLike[str], world_size: int) -> Resha
     if old is None or old == world_size:
         return None
     new = root.parent / temp_name(f"reshard-{root.name}")
-    done = reshard_dir(root, new, world_size)
+    done = reshard_dir(root, new, world_size, data_ranks=data_ranks)
     aside = root.parent / temp_name(f"old-{root.name}")
     os.replace(root, aside)
     os.replace(new, root)
@@ -142,13 +156,17 @@ def _check_world(world_size: int) -> None:
         )
 
 
-def _convert(src: Path, out: Path, world: int) -> Resharded:
+def _convert(src: Path, out: Path, world: int, data_ranks: int) -> Resharded:
     ranked: dict[str, dict[str, dict[int, Path]]] = {}
     others: list[tuple[str, Path]] = []
+    loaders: dict[int, Path] = {}
     old_worlds: dict[str, int] = {}
     for rel, path in _files(src):
         folder, _, name = rel.rpartition("/")
         match = RANK_FILE.match(name)
+        if match is None and not folder and (data := DATA_FILE.match(name)):
+            loaders[int(data["dp"])] = path
+            continue
         if match is None:
             others.append((rel, path))
             continue
@@ -180,6 +198,7 @@ def _convert(src: Path, out: Path, world: int) -> Resharded:
             _link_or_copy(path, target)
     for folder, kinds in sorted(ranked.items()):
         convert_folder(src / folder, out / folder, kinds, old_worlds[folder], world)
+    _copy_loaders(src, loaders, out, data_ranks)
     done = Resharded(sources.pop(), world, tuple(sorted(f or "." for f in ranked)))
     log.info(
         "resharded %s from %d to %d ranks (%s)", src, done.source_world_size, world, done.folders
@@ -227,6 +246,20 @@ def _check_folder(folder: Path, kinds: dict[str, dict[int, Path]], old: int) -> 
                 "are incomplete cannot be resharded",
                 path=str(folder),
             )
+
+
+def _copy_loaders(src: Path, loaders: dict[int, Path], out: Path, data_ranks: int) -> None:
+    """An SFT step's ``data_D.pt`` for each new data-parallel rank."""
+    if not loaders:
+        return
+    missing = sorted(set(range(len(loaders))) - set(loaders))
+    if missing:
+        raise IncompleteCheckpointError(
+            f"{src}: the dataloader states data_D.pt are {sorted(loaders)}, missing "
+            f"data_{missing[0]}.pt; pull the step again (every rank's loader state is needed)",
+            path=str(src),
+        )
+    reshard_loaders([loaders[d] for d in range(len(loaders))], out, data_ranks)
 
 
 def _fsdp_config(path: Path) -> dict[str, object]:

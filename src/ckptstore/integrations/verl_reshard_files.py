@@ -8,14 +8,18 @@ next one starts, so memory holds metadata, not tensors (see verl_reshard_tensors
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ckptstore.backends.fsutil import temp_path
+from ckptstore.errors import CompatibilityError, CorruptCheckpointError
 from ckptstore.integrations.verl_reshard_tensors import (
     EXTRA_STATE_GLOBALS,
     RankBuilder,
@@ -66,4 +70,68 @@ def _copy_extra_state(paths: list[Path], out: Path, world: int) -> None:
         shutil.copyfile(paths[rank % len(paths)], out / rank_file("extra_state", world, rank))
 
 
-__all__ = ["convert_folder", "rank_file"]
+def reshard_loaders(paths: Sequence[Path], out: Path, data_ranks: int) -> None:
+    """An SFT step's dataloader states (``data_D.pt``, one per old data-parallel rank, in
+    order) for ``data_ranks`` new ones.
+
+    Every rank's loader is at the same step, and verl's ``DistributedSampler`` gives rank r of
+    D the positions r, r+D, ... of one permutation (seeded by epoch, not by D), so after ``n``
+    samples on each of D ranks the job consumed the permutation's first ``n*D``. New rank d
+    gets old ``d mod D``'s state with every ``samples_yielded`` set to ``n*D/D'``: the new
+    ranks go on with exactly the samples not yet seen (when the data set divides by both
+    sizes; else the epoch's padding differs). Batches counted stay: they are steps.
+    """
+    old = len(paths)
+    if old == data_ranks:
+        for rank, path in enumerate(paths):
+            shutil.copyfile(path, out / f"data_{rank}.pt")
+        return
+    states = [_load_loader(path) for path in paths]
+    for rank in range(data_ranks):
+        state = copy.deepcopy(states[rank % old])
+        _rescale(state, old, data_ranks, paths[rank % old])
+        target = out / f"data_{rank}.pt"
+        tmp = temp_path(target)
+        torch.save(state, tmp)
+        os.replace(tmp, target)
+
+
+def _load_loader(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CompatibilityError(
+            f"{path}: the dataloader state holds objects beyond plain values ({e}); a custom "
+            "sampler or dataset state cannot be split over another number of ranks. Resume on "
+            "the data-parallel size it was saved on",
+            path=str(path),
+        ) from e
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CorruptCheckpointError(f"{path}: unreadable ({e})", path=str(path)) from e
+
+
+def _rescale(state: Any, old: int, new: int, path: Path) -> None:
+    """Every ``_sampler_iter_state.samples_yielded`` (the main process's and each worker
+    snapshot's) from per-rank of ``old`` ranks to per-rank of ``new``."""
+    if isinstance(state, list):
+        for value in state:
+            _rescale(value, old, new, path)
+        return
+    if not isinstance(state, dict):
+        return
+    sampler = state.get("_sampler_iter_state")
+    if isinstance(sampler, dict) and isinstance(sampler.get("samples_yielded"), int):
+        total = sampler["samples_yielded"] * old
+        if total % new:
+            raise CompatibilityError(
+                f"{path}: {total} samples consumed over {old} ranks do not split evenly over "
+                f"{new}; resume on a data-parallel size that divides data.train_batch_size",
+                path=str(path),
+            )
+        sampler["samples_yielded"] = total // new
+    for key, value in state.items():
+        if key != "_sampler_iter_state":
+            _rescale(value, old, new, path)
+
+
+__all__ = ["convert_folder", "rank_file", "reshard_loaders"]

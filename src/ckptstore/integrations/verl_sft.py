@@ -66,6 +66,7 @@ from ckptstore.errors import (
 from ckptstore.integrations.distributed import save_coordinated
 from ckptstore.integrations.verl_config import SECTION, VerlStoreConfig
 from ckptstore.integrations.verl_nodes import NodeAgent
+from ckptstore.integrations.verl_reshard import reshard_dir
 from ckptstore.integrations.verl_sft_files import (
     RankFiles,
     check_sft_complete,
@@ -340,14 +341,6 @@ class StoreCheckpointHandler(CheckpointHandler):
                     uri=info.uri,
                     step=info.step,
                 )
-            if saved != self.comm.size:
-                return ConfigError(
-                    f"{info.uri} was saved by {saved} ranks, but this job has {self.comm.size}: "
-                    "verl's SFT engine loads only the files of its own world size. Resume on "
-                    f"{saved} ranks",
-                    uri=info.uri,
-                    step=info.step,
-                )
             return info
         except Exception as e:  # sent to every rank, which raises it
             return e if isinstance(e, CheckpointError) else CheckpointError(describe(e))
@@ -355,8 +348,15 @@ class StoreCheckpointHandler(CheckpointHandler):
     def _pull(self, info: CheckpointInfo) -> None:
         """Download this rank's files of ``info`` (and the shared ones, on the node's leader)
         into ``global_step_N``, each verified: first into a directory of this rank's own, so
-        ranks that share a node pull side by side."""
+        ranks that share a node pull side by side. A step saved on another world size is
+        pulled whole by each node's leader and resharded for this job (verl's engine loads
+        only its own world size's files)."""
         leader = self.comm.rank == self.node_leader
+        saved = saved_world_size(f.path for f in info.files)
+        if saved != self.comm.size:
+            if leader:
+                self._pull_resharded(info, saved)
+            return
         paths = self.files.pulls((f.path for f in info.files), shared=leader)
         if not paths:
             return
@@ -371,6 +371,29 @@ class StoreCheckpointHandler(CheckpointHandler):
                 os.replace(tmp / path, target / path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _pull_resharded(self, info: CheckpointInfo, saved: int | None) -> None:
+        """Node leader: the whole step, verified, resharded for this job's ranks and data
+        files (verl_reshard) into ``global_step_N``, which appears only once complete."""
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        pulled = self.local_dir / temp_name(f"pull-{info.step}-whole")
+        resharded = self.local_dir / temp_name(f"reshard-{info.step}")
+        aside = self.local_dir / temp_name(f"old-{info.step}")
+        try:
+            self.store.pull_dir(pulled, step=info.step, fallback=False)
+            reshard_dir(pulled, resharded, self.comm.size, data_ranks=len(self.data_files))
+            target = self.agent.step_dir(info.step)
+            if target.exists():
+                os.replace(target, aside)
+            os.replace(resharded, target)
+            log.warning(
+                "ckptstore: step %d of %s was saved on %s ranks; resharded for this job's %d. "
+                "Model and optimizer state are exact; RNG states are those of rank r mod %s",
+                info.step, self.store.uri, saved, self.comm.size, saved,
+            )  # fmt: skip
+        finally:
+            for tmp in (pulled, resharded, aside):
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def close(self) -> None:
         """Release the writer lease and let a local tier's due steps reach the store."""

@@ -39,6 +39,33 @@ def rank_file(path: str) -> RankFile | None:
     return RankFile(folder, match["kind"], int(match["world"]), int(match["rank"]))
 
 
+DEFAULT_ROLE = "actor"
+"""The role an export or a resume means when none is named: the PPO trainer's policy, and the
+one model of an SFT step."""
+
+
+def role_folder(paths: Iterable[str], role: str = DEFAULT_ROLE) -> str:
+    """The folder of a step that holds ``role``'s rank files and ``huggingface/``: ``role`` in
+    a PPO step (``actor/``, ``critic/``); the top level (``""``) in an SFT step, whose rank
+    files verl's SFT trainer saves there. An SFT step has one model, the default role's (or
+    ``""``); another role of it is a ConfigError."""
+    found = [held for p in paths if (held := rank_file(p)) is not None]
+    if not any(held.folder == "" for held in found) or any(held.folder == role for held in found):
+        return role
+    if role not in (DEFAULT_ROLE, ""):
+        raise ConfigError(
+            f"this step holds rank files at its top level: a verl SFT step, whose one model is "
+            f"not in a role folder, so it has no role {role!r}; leave the role out "
+            f"({DEFAULT_ROLE})"
+        )
+    return ""
+
+
+def in_folder(folder: str, name: str) -> str:
+    """``name`` inside a step's ``folder`` (``""``: the top level)."""
+    return f"{folder}/{name}" if folder else name
+
+
 def node_shares(
     paths: Sequence[str], placement: Placement, nodes: Sequence[str]
 ) -> dict[str, list[str]] | None:
