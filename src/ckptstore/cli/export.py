@@ -76,7 +76,8 @@ SIZE = _SizeType()
     "--role",
     default="actor",
     show_default=True,
-    help="The verl role folder whose model is exported (actor, critic).",
+    help="The verl role folder whose model is exported (actor, critic); an SFT step's one "
+    "model is at its top level and exported by the default.",
 )
 @click.option(
     "--dtype",

@@ -22,7 +22,10 @@ is the whole integration, run by this module's entry point (docs/verl.md)::
   latest, falling back past steps that fail verification, unless every rank's local copy is at
   least as new), every rank pulls its own files of it, verified, and one rank per node the
   shared ones; then each node's tracker names the step and verl's own ``load_checkpoint``
-  loads model, optimizer, lr scheduler, RNG and dataloader states from it.
+  loads model, optimizer, lr scheduler, RNG and dataloader states from it. A step saved on
+  another world size is pulled whole by each node's leader and resharded for this job first
+  (verl_reshard: the SFT step's top level is its role folder, its ``data_D.pt`` rewritten for
+  the new data-parallel size).
 
 The ``trainer.ckptstore`` keys are the PPO integration's (verl_config.py): retention, the
 writer lease (rank 0 holds it), ``persist_every``, a ``local`` tier, timeouts,
