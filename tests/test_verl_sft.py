@@ -126,6 +126,48 @@ def test_an_sft_steps_role_is_its_top_level_and_it_has_no_other_role() -> None:
         role_folder(sft, "critic")
 
 
+def loader_state(samples: int, steps: int) -> dict[str, Any]:
+    """A StatefulDataLoader's state as verl's SFT trainer saves it (num_workers=0)."""
+    return {"_index_sampler_state": None, "_sampler_iter_state": {"samples_yielded": samples},
+            "_sampler_iter_yielded": steps, "_num_yielded": steps, "fetcher_state": None,
+            "dataset_state": None, "_iterator_finished": False}  # fmt: skip
+
+
+class Custom:
+    """A sampler state the reshard cannot know how to split."""
+
+
+@pytest.mark.parametrize(
+    ("saved", "ranks", "says"),
+    [
+        ([loader_state(6, 3)] * 2, 3, None),  # 12 samples: 4 on each of 3 ranks
+        ([loader_state(3, 3)] * 2, 4, "6 samples consumed over 2 ranks do not split evenly"),
+        ([loader_state(6, 3) | {"dataset_state": Custom()}] * 2, 1, "beyond plain values"),
+    ],
+)
+def test_sft_dataloader_states_split_over_another_number_of_ranks_or_are_refused(
+    tmp_path: Path, saved: list[dict[str, Any]], ranks: int, says: str | None
+) -> None:
+    import torch
+
+    from ckptstore.errors import CompatibilityError
+    from ckptstore.integrations.verl_reshard_files import reshard_loaders
+
+    paths = []
+    for rank, state in enumerate(saved):
+        torch.save(state, tmp_path / f"in-{rank}.pt")
+        paths.append(tmp_path / f"in-{rank}.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    if says is not None:
+        with pytest.raises(CompatibilityError, match=says):
+            reshard_loaders(paths, out, ranks)
+        return
+    reshard_loaders(paths, out, ranks)
+    states = [torch.load(out / f"data_{d}.pt") for d in range(ranks)]
+    assert states == [loader_state(4, 3)] * ranks and not (out / f"data_{ranks}.pt").exists()
+
+
 def test_store_options_with_retention_survive_dataclasses_replace() -> None:
     """Every rank but 0 opens the store with the section's options, lease off: replace() of
     options with a retention key once failed (a function default came back bound)."""
