@@ -5,7 +5,9 @@ verl 0.9.1's own SFT trainer (``SFTTrainer.fit``, its FSDP2 engine and ``Checkpo
 on two gloo ranks under torchrun, on CPU (verl_cpu.py says how), with a tiny Llama, saving to a
 real S3 server (moto on 127.0.0.1): a job commits step 2, trains step 3 and is killed with
 SIGKILL; a fresh job with empty local directories resumes from the URI alone, and its state
-before and after step 3 is compared bit for bit with the killed job's.
+before and after step 3 is compared bit for bit with the killed job's. Its last step is then
+exported to Hugging Face (the SFT step's top level is its role) and resumed by a job of one
+rank, resharded: the gathered 2-rank state, bit for bit.
 """
 
 from __future__ import annotations
