@@ -150,8 +150,11 @@ class Resolver:
                 if not fenced(self._fences(catalog, pointer), found):
                     return self._tagged(found, catalog)
                 # a local tier's pointer moved by a writer fenced beside the new holder
-                log.warning("%s: latest step %d is a fenced writer's; listing the others",
-                            catalog.uri(""), found.step)  # fmt: skip
+                log.warning(
+                    "%s: latest step %d is a fenced writer's; listing the others",
+                    catalog.uri(""),
+                    found.step,
+                )
         except (NotFoundError, CorruptCheckpointError) as e:
             log.warning(
                 "%s: latest pointer is unusable (%s); falling back to listing", catalog.uri(""), e
@@ -378,8 +381,12 @@ class Search:
         fallback, ends with this error)."""
         self._failures[info.step] = error
         if self.resolver.faster:
-            log.warning("step %d: its copy in %s failed verification (%s); trying the next "
-                        "copy", info.step, info.uri, bad_copy(error))  # fmt: skip
+            log.warning(
+                "step %d: its copy in %s failed verification (%s); trying the next copy",
+                info.step,
+                info.uri,
+                bad_copy(error),
+            )
         elif self.fallback:
             log.warning("step %d failed verification (%s); trying an older step", info.step, error)
 
