@@ -286,8 +286,9 @@ class GarbageCollector:
         stale = [s for s in stale if not self.catalog.state_of(s, fresh=True).committed]
         if stale:
             self.catalog.index.drop(stale, removals=snapshot.head.removals, claims=False)
-            log.info("%s: the step index listed steps without a manifest: %s", self.backend.uri,
-                     stale)  # fmt: skip
+            log.info(
+                "%s: the step index listed steps without a manifest: %s", self.backend.uri, stale
+            )
 
     def _stale_pins(self, pins: list[ObjectInfo], committed: set[int]) -> list[str]:
         return [

@@ -244,8 +244,11 @@ class WriterLease:
             )
             return
         if self.unconfirmed() is not None:
-            log.warning("%s: renewed the writer lease after %.0f s without a renewal; nobody "
-                        "took it over", self._uri, started - self._renewed_at)  # fmt: skip
+            log.warning(
+                "%s: renewed the writer lease after %.0f s without a renewal; nobody took it over",
+                self._uri,
+                started - self._renewed_at,
+            )
         self._renewed_at = started
         self._last_error = None
 

@@ -88,8 +88,12 @@ class Pruner:
             self.catalog.half_removed.discard(step)
         doomed = self.remover.uncommit_all(chosen)
         if doomed:
-            log.info("retention deleted %d steps from %s: %s", len(doomed),
-                     self.catalog.backend.uri, _spans(doomed))  # fmt: skip
+            log.info(
+                "retention deleted %d steps from %s: %s",
+                len(doomed),
+                self.catalog.backend.uri,
+                _spans(doomed),
+            )
         return doomed
 
     def would_delete(

@@ -113,8 +113,11 @@ class Remover:
         try:  # a tombstone left standing keeps its claim: a prune's reader finishes it
             self.catalog.index.drop(steps)
         except CheckpointError as e:
-            log.warning("%s: removed steps stay in the step index (%s); readers drop "
-                        "them", self.backend.uri, e)  # fmt: skip
+            log.warning(
+                "%s: removed steps stay in the step index (%s); readers drop them",
+                self.backend.uri,
+                e,
+            )
 
     def _uncommit(self, step: int) -> tuple[bool, bool]:
         """Delete a committed step: its manifest is swapped for a tombstone first (the step is
