@@ -80,8 +80,12 @@ class Persister(PersistQueue):
                 resumed.append(step)
                 self.queue(step)
         if resumed:
-            log.warning("%s: persisting steps %s from the local tier %s, where a kill left them",
-                        self.uri, resumed, self.local.uri)  # fmt: skip
+            log.warning(
+                "%s: persisting steps %s from the local tier %s, where a kill left them",
+                self.uri,
+                resumed,
+                self.local.uri,
+            )
 
     def saved(self, stats: SaveStats) -> None:
         """A step was committed in the local tier: pin and queue it if it is due (before the
