@@ -181,8 +181,11 @@ class CkptstoreCallback:
         if not tiered and not self.settings.persist_policy.due(
             self._saves_since, None, forced=last
         ):
-            log.info("ckptstore: step %d stays local (persist_every=%s)", step,
-                     self.settings.persist_every)  # fmt: skip
+            log.info(
+                "ckptstore: step %d stays local (persist_every=%s)",
+                step,
+                self.settings.persist_every,
+            )
             return  # verl's own max_actor_ckpt_to_keep prunes the local copies
         meta = {
             "framework": "verl",
@@ -192,9 +195,13 @@ class CkptstoreCallback:
         }
         try:
             info = commit_step(
-                self.store, self.fleet, step, metadata=meta, world_size=self.run.world_size,
+                self.store,
+                self.fleet,
+                step,
+                metadata=meta,
+                world_size=self.run.world_size,
                 persist=last,
-            )  # fmt: skip
+            )
         except CheckpointError as e:
             self._failed(step, e)
             return  # training goes on; the next save is due at once (persist_every)
@@ -209,9 +216,15 @@ class CkptstoreCallback:
         """A commit failed: log and count it; ``max_failed_saves`` in a row raise."""
         self._failures += 1
         limit = self.settings.max_failed_saves
-        log.error("ckptstore: step %d was not committed to %s (%d failure(s) in a row; training "
-                  "goes on, and stops after %d): %s", step, self.store.uri, self._failures,
-                  limit, error)  # fmt: skip
+        log.error(
+            "ckptstore: step %d was not committed to %s (%d failure(s) in a row; training "
+            "goes on, and stops after %d): %s",
+            step,
+            self.store.uri,
+            self._failures,
+            limit,
+            error,
+        )
         if self._failures >= limit:
             raise CheckpointError(
                 f"{self.store.uri}: {self._failures} verl saves in a row could not be committed, "
