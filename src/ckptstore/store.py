@@ -58,29 +58,43 @@ a storage that does not answer leaves the record to expire after one TTL, as aft
 class CheckpointStore(StoreStaging, StoreUpkeep):
     """Atomic, verified checkpoints under one URI (local path, NFS, ``s3://``, fsspec URL)."""
 
-    # fmt: off
     def __init__(
-        self, uri: str, *,
+        self,
+        uri: str,
+        *,
         # retention
-        keep_last: int | None = None, keep_every: int | None = None,
-        keep_best: int | None = None, best_metric: str | None = None,
-        best_mode: str | None = None, keep_every_seconds: float | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str | None = None,
+        keep_every_seconds: float | None = None,
         retention: Policy | Sequence[Policy] | None = None,
         # storage and the files of a step
-        storage_options: Mapping[str, Any] | None = None, compat: str = "warn",
-        shard_size: int = layout.DEFAULT_SHARD_SIZE, incremental: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        compat: str = "warn",
+        shard_size: int = layout.DEFAULT_SHARD_SIZE,
+        incremental: bool = True,
         # the writer lease, signing, deadlines
-        lease: bool = True, takeover: bool = False, lease_ttl: float = DEFAULT_TTL,
+        lease: bool = True,
+        takeover: bool = False,
+        lease_ttl: float = DEFAULT_TTL,
         signing_key: bytes | str | None = None,
-        save_timeout: float | None = None, load_timeout: float | None = None,
+        save_timeout: float | None = None,
+        load_timeout: float | None = None,
         # a local tier in front of the store
-        local: str | None = None, local_keep_last: int | None = None,
-        persist_every: int | None = None, persist_interval_seconds: float | None = None,
+        local: str | None = None,
+        local_keep_last: int | None = None,
+        persist_every: int | None = None,
+        persist_interval_seconds: float | None = None,
         replicas: int = 0,
         # all of the above as one object, or injected parts
-        options: StoreOptions | None = None, backend: Backend | None = None,
-        clock: Callable[[], float] = time.time, observer: SaveObserver | None = None,
-        writer: str | None = None, environment: Environment | None = None,
+        options: StoreOptions | None = None,
+        backend: Backend | None = None,
+        clock: Callable[[], float] = time.time,
+        observer: SaveObserver | None = None,
+        writer: str | None = None,
+        environment: Environment | None = None,
         **unknown: Any,
     ) -> None:
         """Open the store at ``uri``; nothing is written until the first save.
@@ -109,8 +123,16 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
         self.retention, self.compat, self.clock = opts.policy, opts.compat, clock
         self.backend = backend or open_backend(uri, opts.storage_options)
         self.uri, self._environment = self.backend.uri, environment
-        self._attach(assemble(self.backend, opts, clock=clock, environment=self._env,
-                              observer=observer, writer=writer))  # fmt: skip
+        self._attach(
+            assemble(
+                self.backend,
+                opts,
+                clock=clock,
+                environment=self._env,
+                observer=observer,
+                writer=writer,
+            )
+        )
         _refuse_step_directory(uri, self._catalog)
         self.last_loaded: CheckpointInfo | None = None
         """The step the last ``load`` returned (it may fall back past a corrupt latest)."""
@@ -118,7 +140,6 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
             self._lease.release_when_collected(self)  # a dropped store lets the lease go
             if opts.takeover:
                 self._lease.hold()  # fence the old holder now, before this job loads anything
-    # fmt: on
 
     def __repr__(self) -> str:
         local = f", local={self._local.uri!r}" if self._local is not None else ""
@@ -183,19 +204,31 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
         step = self._writing(layout.check_step(step), persist)
         return self._saver.save(step, state, metadata, allow_pickle, allow_older=allow_older)
 
-    # fmt: off
-    def save_async(self, step: int, state: Any, metadata: Mapping[str, Any] | None = None, *,
-                   allow_pickle: bool = False, allow_older: bool = False,
-                   overlap: bool | Optimizer | Iterable[Optimizer] = False,
-                   persist: bool = False) -> SaveHandle[CheckpointInfo]:
+    def save_async(
+        self,
+        step: int,
+        state: Any,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        allow_pickle: bool = False,
+        allow_older: bool = False,
+        overlap: bool | Optimizer | Iterable[Optimizer] = False,
+        persist: bool = False,
+    ) -> SaveHandle[CheckpointInfo]:
         """Snapshot ``state`` and save it in the background, one save in flight at a time;
         ``overlap=optimizer`` defers the copy of its tensors to its next ``step()``
         (``overlap=True``: every tensor, until ``before_update()``). README "Saving fast".
         ``persist`` as for :meth:`save`."""
         step = self._writing(layout.check_step(step), persist)
-        return self._async.save_async(self._saver, step, state, metadata, allow_pickle,
-                                      allow_older=allow_older, overlap=overlap)
-    # fmt: on
+        return self._async.save_async(
+            self._saver,
+            step,
+            state,
+            metadata,
+            allow_pickle,
+            allow_older=allow_older,
+            overlap=overlap,
+        )
 
     def before_update(self) -> None:
         """Return once the tensors of an overlapped ``save_async`` may change (optimizer
@@ -240,34 +273,48 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
         ``local+durable`` or ``local (copying)``."""
         if self._local is None or self._tiers is None:
             return self._catalog.list()
-        return tier_listing(self._local.catalog.list(), self._catalog.list(),
-                            self._tiers.copying())  # fmt: skip
+        return tier_listing(self._local.catalog.list(), self._catalog.list(), self._tiers.copying())
 
     def reload(self) -> None:
         """Forget the manifests this object has read (catalog.py)."""
         for catalog in self._resolver.tiers:
             catalog.forget_all()
 
-    # fmt: off
-    def wait_for_step(self, newer_than: int | None = None, *, timeout: float | None = None,
-                      interval: float = DEFAULT_INTERVAL) -> CheckpointInfo:
+    def wait_for_step(
+        self,
+        newer_than: int | None = None,
+        *,
+        timeout: float | None = None,
+        interval: float = DEFAULT_INTERVAL,
+    ) -> CheckpointInfo:
         """The newest step after ``newer_than`` (default: latest now), once one commits
         (replication/follow.py); WaitTimeoutError after ``timeout`` seconds."""
         return wait_for_step(self, newer_than, timeout=timeout, interval=interval)
-    # fmt: on
 
     def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
         """Committed steps a writer committed after it lost the lease: never loaded as latest."""
         return self._resolver.fenced_steps(self.list() if infos is None else infos)
 
-    # fmt: off
     @overload
-    def load(self, step: int | None = None, *, fallback: bool = True, allow_pickle: bool = False,
-             with_info: Literal[False] = False, keys: Sequence[str] | None = None) -> Any: ...
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        fallback: bool = True,
+        allow_pickle: bool = False,
+        with_info: Literal[False] = False,
+        keys: Sequence[str] | None = None,
+    ) -> Any: ...
     @overload
-    def load(self, step: int | None = None, *, fallback: bool = True, allow_pickle: bool = False,
-             with_info: Literal[True], keys: Sequence[str] | None = None) -> Loaded: ...
-    # fmt: on
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        fallback: bool = True,
+        allow_pickle: bool = False,
+        with_info: Literal[True],
+        keys: Sequence[str] | None = None,
+    ) -> Loaded: ...
 
     def load(
         self,
@@ -283,8 +330,9 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
         step together); ``keys=["model"]``: only those parts, reading only their files."""
 
         def load(info: CheckpointInfo) -> Any:
-            check_compat(info.manifest.environment, self.environment, mode=self.compat,
-                         where=info.uri)  # fmt: skip
+            check_compat(
+                info.manifest.environment, self.environment, mode=self.compat, where=info.uri
+            )
             return load_state(self._catalog_of(info), info, allow_pickle=allow_pickle, keys=keys)
 
         found = self._resolve(step, fallback, load)
@@ -303,11 +351,18 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
         tier, its local copy where it is good, else the durable one (tiers/local.py)."""
         return self._files.read_file(info, path)
 
-    # fmt: off
-    def pull_dir(self, local_dir: str | os.PathLike[str], step: int | None = None, *,
-                 fallback: bool = True, progress: Progress | None = None, force: bool = False,
-                 delete: bool = False, include: str | Sequence[str] = (),
-                 exclude: str | Sequence[str] = ()) -> CheckpointInfo:
+    def pull_dir(
+        self,
+        local_dir: str | os.PathLike[str],
+        step: int | None = None,
+        *,
+        fallback: bool = True,
+        progress: Progress | None = None,
+        force: bool = False,
+        delete: bool = False,
+        include: str | Sequence[str] = (),
+        exclude: str | Sequence[str] = (),
+    ) -> CheckpointInfo:
         """Download a committed step's files into ``local_dir``, verified (loading.py): whole
         or not at all, ``force`` merges, ``delete`` makes an exact copy, ``include`` and
         ``exclude`` select files as the aws CLI does."""
@@ -315,11 +370,18 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
         check_target(target, force=force or delete)  # before any read
 
         def pull(info: CheckpointInfo) -> None:
-            download_step(self._tiers_from(info), info, target, progress, force=force,
-                          delete=delete, include=include, exclude=exclude)
+            download_step(
+                self._tiers_from(info),
+                info,
+                target,
+                progress,
+                force=force,
+                delete=delete,
+                include=include,
+                exclude=exclude,
+            )
 
         return self._resolve(step, fallback, pull).info
-    # fmt: on
 
 
 def _refuse_step_directory(uri: str, catalog: Catalog) -> None:

@@ -109,29 +109,72 @@ def assemble(
     replica = Replica(catalog, committer, remover, pruner, hold, options.save_timeout)
     in_flight = AsyncSaver()
     saver = Saver(
-        catalog, committer, remover, lease, pruner.after_save, environment, clock,
-        options.incremental, options.shard_size, in_flight.drain if local is None else _nothing,
-        observer if local is None else None, options.save_timeout,
-    )  # fmt: skip
+        catalog,
+        committer,
+        remover,
+        lease,
+        pruner.after_save,
+        environment,
+        clock,
+        options.incremental,
+        options.shard_size,
+        in_flight.drain if local is None else _nothing,
+        observer if local is None else None,
+        options.save_timeout,
+    )
     front, persister = saver, None
     if local is not None:
         persister = Persister(local, saver, options.persist_policy, observer)
         front = Saver(
-            local.catalog, local.committer, local.remover, lease, persister.retain_local,
-            environment, clock, options.incremental, options.shard_size, in_flight.drain,
-            observer, options.save_timeout, tiers=persister, node=local.identity.node,
-        )  # fmt: skip
+            local.catalog,
+            local.committer,
+            local.remover,
+            lease,
+            persister.retain_local,
+            environment,
+            clock,
+            options.incremental,
+            options.shard_size,
+            in_flight.drain,
+            observer,
+            options.save_timeout,
+            tiers=persister,
+            node=local.identity.node,
+        )
     tiers = [Tier(DURABLE, catalog, committer, remover, pins, pruner)]
     if local is not None:
-        tiers.insert(0, Tier(LOCAL, local.catalog, local.committer, local.remover, local.pins,
-                             local.pruner, local.retention))  # fmt: skip
+        tiers.insert(
+            0,
+            Tier(
+                LOCAL,
+                local.catalog,
+                local.committer,
+                local.remover,
+                local.pins,
+                local.pruner,
+                local.retention,
+            ),
+        )
     maintenance = Maintenance(resolver, tuple(tiers), clock)
     if persister is not None:
         maintenance = replace(maintenance, forget=persister.drop, pending=persister.pending)
     return Parts(
-        writer, signer, catalog, remover, committer, resolver, lease, pruner, maintenance,
-        replica, in_flight, front, Adopter(saver), local, persister,
-    )  # fmt: skip
+        writer,
+        signer,
+        catalog,
+        remover,
+        committer,
+        resolver,
+        lease,
+        pruner,
+        maintenance,
+        replica,
+        in_flight,
+        front,
+        Adopter(saver),
+        local,
+        persister,
+    )
 
 
 def _local_tier(
