@@ -316,7 +316,7 @@ class Maintenance:
             if (
                 t.remover.finish_uncommit(marked[t.name])
                 if t.name in marked
-                else not t.remover.tombstone_at(step)
+                else not t.remover.tombstones.stands(step)
             )
         ]
 

@@ -226,7 +226,7 @@ class GarbageCollector:
             proven = all(verdicts[a][1] for a in dead)  # else a late committer may be alive
             found.deleted += self.remover.abort_step(step, dead, keep_tombstone=not proven) or []
         elif tombstone is not None and _old(tombstone.mtime, self.tombstone_cutoff):
-            if self.dry_run or self.remover.drop_tombstone(step):
+            if self.dry_run or self.remover.tombstones.drop(step):
                 found.deleted.append(layout.manifest_path(step))
             else:
                 found.kept[layout.manifest_path(step)] = (

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from ckptstore.data.copying import FileCopier
 from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError, ConflictError
-from ckptstore.protocol.catalog import StepState
+from ckptstore.protocol.step_state import StepState
 from ckptstore.tiers.local import DEFAULT_LOCAL_KEEP_LAST, LocalTier
 from ckptstore.tiers.placement import PeerLayout
 
