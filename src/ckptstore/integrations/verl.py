@@ -156,19 +156,7 @@ class CkptstoreCallback:
         async_save: bool = False,
         **kwargs: Any,
     ) -> None:
-        if async_save:
-            raise ConfigError(
-                "ckptstore cannot commit an asynchronous verl save; set checkpoint.async_save=False"
-            )
-        step = layout.check_step(global_step, where="global_step")
-        if checkpoint_dir is not None and os.path.basename(
-            os.path.normpath(checkpoint_dir)
-        ) != layout.step_dir(step):
-            raise ConfigError(
-                f"checkpoint_dir {checkpoint_dir!r} is not a {layout.step_dir(step)} directory",
-                step=step,
-                path=checkpoint_dir,
-            )
+        step = _saved_step(global_step, checkpoint_dir, async_save)
         if step in self._replace:
             log.warning(
                 "replacing step %d in %s, which failed verification at resume", step, self.store.uri
@@ -306,6 +294,25 @@ def _commit_step(
 
 def _attempts(report: Staged) -> set[str]:
     return {e.attempt for e in report.entries if e.attempt}
+
+
+def _saved_step(global_step: int | None, checkpoint_dir: str | None, async_save: bool) -> int:
+    """The step verl just saved, once its save is one ckptstore can commit: synchronous, and
+    in the ``global_step_N`` directory of that step."""
+    if async_save:
+        raise ConfigError(
+            "ckptstore cannot commit an asynchronous verl save; set checkpoint.async_save=False"
+        )
+    step = layout.check_step(global_step, where="global_step")
+    if checkpoint_dir is not None and os.path.basename(
+        os.path.normpath(checkpoint_dir)
+    ) != layout.step_dir(step):
+        raise ConfigError(
+            f"checkpoint_dir {checkpoint_dir!r} is not a {layout.step_dir(step)} directory",
+            step=step,
+            path=checkpoint_dir,
+        )
+    return step
 
 
 def _verl_version() -> str | None:
