@@ -58,7 +58,7 @@ from ckptstore.domain.manifest import (
     tombstone_dropping,
 )
 from ckptstore.errors import CheckpointError, ConflictError, NotFoundError, StepBehindLatestError
-from ckptstore.protocol import removal
+from ckptstore.protocol import tombstones
 from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.removal import Remover
 from faults import FaultyBackend, InjectedFault
@@ -193,8 +193,8 @@ def test_a_commit_swaps_over_a_tombstone_whose_dropper_died(
 ) -> None:
     """The dropper marked the tombstone and died: a save of the step waits out the window
     (shortened here), then commits over it."""
-    monkeypatch.setattr(removal, "DROP_WINDOW", 0.2)
-    monkeypatch.setattr(removal, "DROP_MARGIN", 0.1)
+    monkeypatch.setattr(tombstones, "DROP_WINDOW", 0.2)
+    monkeypatch.setattr(tombstones, "DROP_MARGIN", 0.1)
     uri = str(tmp_path / "run")
     store = CheckpointStore(uri, lease=False)
     store.save(1, state(1))
@@ -211,11 +211,11 @@ def test_a_dropper_past_its_window_leaves_the_tombstone(tmp_path: Path) -> None:
     any more, since a waiter may already have swapped a manifest over the mark."""
     uri = str(tmp_path / "run")
     CheckpointStore(uri, lease=False).save(1, state(1))
-    ticks = itertools.chain([0.0], itertools.repeat(removal.DROP_WINDOW + 1))
+    ticks = itertools.chain([0.0], itertools.repeat(tombstones.DROP_WINDOW + 1))
     remover = _remover(uri, monotonic=lambda: next(ticks))
     tombstone = encode_tombstone("gc", time.time(), ["0123456789abcdef"])
     remover.backend.write(layout.manifest_path(2), [tombstone])
-    remover.drop_tombstone(2)
+    remover.tombstones.drop(2)
     held = remover.backend.read(layout.manifest_path(2))
     assert tombstone_dropping(held) is not None, "the tombstone was deleted past the window"
 
@@ -227,7 +227,7 @@ def test_a_dropper_within_its_window_deletes_the_tombstone(tmp_path: Path) -> No
     remover.backend.write(
         layout.manifest_path(2), [encode_tombstone("gc", time.time(), ["0123456789abcdef"])]
     )
-    remover.drop_tombstone(2)
+    remover.tombstones.drop(2)
     with pytest.raises(NotFoundError):
         remover.backend.read(layout.manifest_path(2))
 
@@ -254,7 +254,7 @@ def test_a_dropper_never_deletes_a_manifest_committed_over_its_tombstone(tmp_pat
         return original(p, data, expected)
 
     interleave.swap = commit_first  # type: ignore[method-assign]
-    remover.drop_tombstone(1)
+    remover.tombstones.drop(1)
     assert inner.read(path) == manifest
 
 

@@ -168,8 +168,11 @@ class Deadline:
         detail = f" ({', '.join(facts)})" if facts else ""
         cause = f"; last error: {last_error}" if last_error else "; no request had failed"
         setting = "save_timeout" if self.operation == "save" else "load_timeout"
-        check = "the storage (the last error says what failed)" if last_error else (
-            "that the storage answers")  # fmt: skip
+        check = (
+            "the storage (the last error says what failed)"
+            if last_error
+            else ("that the storage answers")
+        )
         message = (
             f"{who} ran past its {self.seconds:g} s deadline{what}{detail}{cause}. Check {check} "
             f"or raise {setting}"
@@ -252,8 +255,12 @@ def clean_up(
         context = contextvars.copy_context()
         threading.Thread(target=context.run, args=(run,), name="ckpt-cleanup", daemon=True).start()
         if not done.wait(max(0.0, outer.expires + CLEANUP_SLACK - outer.clock())):
-            log.warning("removing %s goes on in the background (the server is slow or not "
-                        "answering); if it cannot finish, %s", what, otherwise)  # fmt: skip
+            log.warning(
+                "removing %s goes on in the background (the server is slow or not "
+                "answering); if it cannot finish, %s",
+                what,
+                otherwise,
+            )
             return "goes on in the background"
     return failure[0] if failure else None
 

@@ -118,8 +118,9 @@ class StoreOptions:
                 f"{name('compat')} must be one of {', '.join(COMPAT_MODES)}, got {self.compat!r}"
             )
         if isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int):
-            raise ConfigError(f"{name('shard_size')} must be a number of bytes, got "
-                              f"{self.shard_size!r}")  # fmt: skip
+            raise ConfigError(
+                f"{name('shard_size')} must be a number of bytes, got {self.shard_size!r}"
+            )
         if self.shard_size < 1:
             raise ConfigError(
                 f"{name('shard_size')} must be a positive number of bytes, got {self.shard_size!r}"

@@ -5,44 +5,38 @@ the resolver (resolver.py) which step, then reads every byte verified (loading.p
 operations are maintenance.py's, pruning.py's and garbage.py's. None of it knows HTTP or file
 descriptors; backends do. Options are validated once, by :class:`~ckptstore.options.StoreOptions`.
 
-The facade is split by concern: this module saves and loads one step; store_staging.py is the
-multi-process save's face, store_upkeep.py the many-step operations', and store_engines.py
-holds the engines wiring.py built.
+The facade is split by concern: this module opens, saves and closes; store_reading.py loads
+and lists, store_staging.py is the multi-process save's face, store_upkeep.py the many-step
+operations', and store_engines.py holds the engines wiring.py built.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
-from ckptstore.core.loading import download_step, load_state
 from ckptstore.core.observer import SaveObserver
-from ckptstore.core.resolver import Resolved
 from ckptstore.data.background import SaveHandle
 from ckptstore.data.payload import Progress
-from ckptstore.data.transfer import check_target
 from ckptstore.deadline import Deadline, bounded
 from ckptstore.domain import layout
-from ckptstore.domain.compat import check_compat
-from ckptstore.domain.info import CheckpointInfo, Loaded
+from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import Environment
 from ckptstore.domain.retention import Policy
 from ckptstore.errors import ConfigError
 from ckptstore.options import StoreOptions
 from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.lease import DEFAULT_TTL
-from ckptstore.replication.follow import DEFAULT_INTERVAL, wait_for_step
+from ckptstore.store_reading import StoreReading
 from ckptstore.store_staging import StoreStaging
 from ckptstore.store_upkeep import StoreUpkeep
-from ckptstore.tiers.local import tier_listing
 from ckptstore.wiring import assemble
 
 if TYPE_CHECKING:
@@ -55,49 +49,58 @@ RELEASE_WAIT = 2.0
 a storage that does not answer leaves the record to expire after one TTL, as after a kill."""
 
 
-class CheckpointStore(StoreStaging, StoreUpkeep):
+class CheckpointStore(StoreReading, StoreStaging, StoreUpkeep):
     """Atomic, verified checkpoints under one URI (local path, NFS, ``s3://``, fsspec URL)."""
 
-    # fmt: off
     def __init__(
-        self, uri: str, *,
+        self,
+        uri: str,
+        *,
         # retention
-        keep_last: int | None = None, keep_every: int | None = None,
-        keep_best: int | None = None, best_metric: str | None = None,
-        best_mode: str | None = None, keep_every_seconds: float | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str | None = None,
+        keep_every_seconds: float | None = None,
         retention: Policy | Sequence[Policy] | None = None,
         # storage and the files of a step
-        storage_options: Mapping[str, Any] | None = None, compat: str = "warn",
-        shard_size: int = layout.DEFAULT_SHARD_SIZE, incremental: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        compat: str = "warn",
+        shard_size: int = layout.DEFAULT_SHARD_SIZE,
+        incremental: bool = True,
         # the writer lease, signing, deadlines
-        lease: bool = True, takeover: bool = False, lease_ttl: float = DEFAULT_TTL,
+        lease: bool = True,
+        takeover: bool = False,
+        lease_ttl: float = DEFAULT_TTL,
         signing_key: bytes | str | None = None,
-        save_timeout: float | None = None, load_timeout: float | None = None,
+        save_timeout: float | None = None,
+        load_timeout: float | None = None,
         # a local tier in front of the store
-        local: str | None = None, local_keep_last: int | None = None,
-        persist_every: int | None = None, persist_interval_seconds: float | None = None,
+        local: str | None = None,
+        local_keep_last: int | None = None,
+        persist_every: int | None = None,
+        persist_interval_seconds: float | None = None,
         replicas: int = 0,
         # all of the above as one object, or injected parts
-        options: StoreOptions | None = None, backend: Backend | None = None,
-        clock: Callable[[], float] = time.time, observer: SaveObserver | None = None,
-        writer: str | None = None, environment: Environment | None = None,
+        options: StoreOptions | None = None,
+        backend: Backend | None = None,
+        clock: Callable[[], float] = time.time,
+        observer: SaveObserver | None = None,
+        writer: str | None = None,
+        environment: Environment | None = None,
         **unknown: Any,
     ) -> None:
         """Open the store at ``uri``; nothing is written until the first save.
 
-        The keyword options are :class:`~ckptstore.options.StoreOptions`' fields (see its
-        docstrings), each checked here: retention (``keep_last``, ``keep_every``,
-        ``keep_best``, ``best_metric``, ``best_mode``, ``keep_every_seconds``,
-        ``retention=`` policy objects), ``storage_options`` (the backend's own: S3's
-        ``endpoint_url``, ``part_size``, ``stall_timeout``, ...; ``None`` is none),
-        ``compat``, ``shard_size``, ``incremental``, ``lease``, ``takeover``, ``lease_ttl``,
-        ``signing_key``, ``save_timeout`` and ``load_timeout`` (seconds, ``None``: no
-        deadline), and a local tier: ``local``, ``local_keep_last``, ``persist_every``,
-        ``persist_interval_seconds``, ``replicas``. Or pass them as one ``options=`` object
-        (not both). A bad value raises ConfigError here, not at the first save; so does a
-        name that is no option (the closest one named), and a storage option given here
-        rather than in ``storage_options``. A URI that is a committed step's directory is
-        refused (open its store and name the step).
+        The keyword options, grouped as above, are :class:`~ckptstore.options.StoreOptions`'
+        fields (see its docstrings), each checked here; ``storage_options`` are the backend's
+        own (S3's ``endpoint_url``, ``part_size``, ``stall_timeout``, ...), and a timeout of
+        ``None`` is no deadline. Or pass them as one ``options=`` object (not both). A bad
+        value raises ConfigError here, not at the first save; so does a name that is no
+        option (the closest one named), and a storage option given here rather than in
+        ``storage_options``. A URI that is a committed step's directory is refused (open its
+        store and name the step).
 
         Injected parts: ``backend`` (a backend object instead of opening ``uri``), ``clock``
         (time), ``observer`` (told of every save and failure), ``writer`` (the id this store
@@ -107,18 +110,36 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
         # First, before any other local: every parameter by name, each option forwarded from it.
         self.options = opts = StoreOptions.from_call(CheckpointStore.__init__, locals(), options)
         self.retention, self.compat, self.clock = opts.policy, opts.compat, clock
-        self.backend = backend or open_backend(uri, opts.storage_options)
+        self._open(uri, backend, environment, observer, writer)
+
+    def _open(
+        self,
+        uri: str,
+        backend: Backend | None,
+        environment: Environment | None,
+        observer: SaveObserver | None,
+        writer: str | None,
+    ) -> None:
+        """Open the backend, build the engines (wiring.py), refuse a step's directory, and
+        tie the writer lease to this object: given up when it is collected, taken now with
+        ``takeover``."""
+        self.backend = backend or open_backend(uri, self.options.storage_options)
         self.uri, self._environment = self.backend.uri, environment
-        self._attach(assemble(self.backend, opts, clock=clock, environment=self._env,
-                              observer=observer, writer=writer))  # fmt: skip
+        self._attach(
+            assemble(
+                self.backend,
+                self.options,
+                clock=self.clock,
+                environment=self._env,
+                observer=observer,
+                writer=writer,
+            )
+        )
         _refuse_step_directory(uri, self._catalog)
-        self.last_loaded: CheckpointInfo | None = None
-        """The step the last ``load`` returned (it may fall back past a corrupt latest)."""
         if self._lease is not None:
             self._lease.release_when_collected(self)  # a dropped store lets the lease go
-            if opts.takeover:
+            if self.options.takeover:
                 self._lease.hold()  # fence the old holder now, before this job loads anything
-    # fmt: on
 
     def __repr__(self) -> str:
         local = f", local={self._local.uri!r}" if self._local is not None else ""
@@ -183,19 +204,31 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
         step = self._writing(layout.check_step(step), persist)
         return self._saver.save(step, state, metadata, allow_pickle, allow_older=allow_older)
 
-    # fmt: off
-    def save_async(self, step: int, state: Any, metadata: Mapping[str, Any] | None = None, *,
-                   allow_pickle: bool = False, allow_older: bool = False,
-                   overlap: bool | Optimizer | Iterable[Optimizer] = False,
-                   persist: bool = False) -> SaveHandle[CheckpointInfo]:
+    def save_async(
+        self,
+        step: int,
+        state: Any,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        allow_pickle: bool = False,
+        allow_older: bool = False,
+        overlap: bool | Optimizer | Iterable[Optimizer] = False,
+        persist: bool = False,
+    ) -> SaveHandle[CheckpointInfo]:
         """Snapshot ``state`` and save it in the background, one save in flight at a time;
         ``overlap=optimizer`` defers the copy of its tensors to its next ``step()``
         (``overlap=True``: every tensor, until ``before_update()``). README "Saving fast".
         ``persist`` as for :meth:`save`."""
         step = self._writing(layout.check_step(step), persist)
-        return self._async.save_async(self._saver, step, state, metadata, allow_pickle,
-                                      allow_older=allow_older, overlap=overlap)
-    # fmt: on
+        return self._async.save_async(
+            self._saver,
+            step,
+            state,
+            metadata,
+            allow_pickle,
+            allow_older=allow_older,
+            overlap=overlap,
+        )
 
     def before_update(self) -> None:
         """Return once the tensors of an overlapped ``save_async`` may change (optimizer
@@ -221,105 +254,6 @@ class CheckpointStore(StoreStaging, StoreUpkeep):
         """Commit every file under ``local_dir`` as ``step`` (a verl ``global_step_N`` dir)."""
         step = self._writing(layout.check_step(step))
         return self._saver.push_dir(step, Path(local_dir), metadata, progress, allow_older)
-
-    # -- reading -------------------------------------------------------------------------
-
-    def info(self, step: int) -> CheckpointInfo:
-        """The committed step's info (from the local tier when it holds it); NotFoundError
-        if no tier holds it committed."""
-        return self._resolver.info(layout.check_step(step))
-
-    def latest(self) -> CheckpointInfo | None:
-        """The newest committed step (resolver.py); ``None`` only for an empty store: a
-        store whose steps cannot be read raises, saying why."""
-        return self._resolver.latest()
-
-    def list(self) -> builtins.list[CheckpointInfo]:
-        """Every readable committed step, ascending. Broken manifests are logged, not listed.
-        With a local tier, of both tiers, each with its ``tier``: ``local``, ``durable``,
-        ``local+durable`` or ``local (copying)``."""
-        if self._local is None or self._tiers is None:
-            return self._catalog.list()
-        return tier_listing(self._local.catalog.list(), self._catalog.list(),
-                            self._tiers.copying())  # fmt: skip
-
-    def reload(self) -> None:
-        """Forget the manifests this object has read (catalog.py)."""
-        for catalog in self._resolver.tiers:
-            catalog.forget_all()
-
-    # fmt: off
-    def wait_for_step(self, newer_than: int | None = None, *, timeout: float | None = None,
-                      interval: float = DEFAULT_INTERVAL) -> CheckpointInfo:
-        """The newest step after ``newer_than`` (default: latest now), once one commits
-        (replication/follow.py); WaitTimeoutError after ``timeout`` seconds."""
-        return wait_for_step(self, newer_than, timeout=timeout, interval=interval)
-    # fmt: on
-
-    def fenced_steps(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[int]:
-        """Committed steps a writer committed after it lost the lease: never loaded as latest."""
-        return self._resolver.fenced_steps(self.list() if infos is None else infos)
-
-    # fmt: off
-    @overload
-    def load(self, step: int | None = None, *, fallback: bool = True, allow_pickle: bool = False,
-             with_info: Literal[False] = False, keys: Sequence[str] | None = None) -> Any: ...
-    @overload
-    def load(self, step: int | None = None, *, fallback: bool = True, allow_pickle: bool = False,
-             with_info: Literal[True], keys: Sequence[str] | None = None) -> Loaded: ...
-    # fmt: on
-
-    def load(
-        self,
-        step: int | None = None,
-        *,
-        fallback: bool = True,
-        allow_pickle: bool = False,
-        with_info: bool = False,
-        keys: Sequence[str] | None = None,
-    ) -> Any:
-        """The state saved as ``step`` (default: latest, falling back past steps that fail
-        verification), every byte verified. ``with_info=True``: a :class:`Loaded` (state and
-        step together); ``keys=["model"]``: only those parts, reading only their files."""
-
-        def load(info: CheckpointInfo) -> Any:
-            check_compat(info.manifest.environment, self.environment, mode=self.compat,
-                         where=info.uri)  # fmt: skip
-            return load_state(self._catalog_of(info), info, allow_pickle=allow_pickle, keys=keys)
-
-        found = self._resolve(step, fallback, load)
-        self.last_loaded = found.info
-        return Loaded(found.value, found.info) if with_info else found.value
-
-    def _resolve(
-        self, step: int | None, fallback: bool, action: Callable[[CheckpointInfo], T]
-    ) -> Resolved[T]:
-        """Run ``action(info)`` on the step a load starts from (resolver.py), by the load's
-        deadline; ``info.tier`` says which tier's copy it is."""
-        return self._resolver.resolve(step, fallback, action)
-
-    def read_file(self, info: CheckpointInfo, path: str) -> memoryview:
-        """One payload file of a committed step, verified against its manifest; with a local
-        tier, its local copy where it is good, else the durable one (tiers/local.py)."""
-        return self._files.read_file(info, path)
-
-    # fmt: off
-    def pull_dir(self, local_dir: str | os.PathLike[str], step: int | None = None, *,
-                 fallback: bool = True, progress: Progress | None = None, force: bool = False,
-                 delete: bool = False, include: str | Sequence[str] = (),
-                 exclude: str | Sequence[str] = ()) -> CheckpointInfo:
-        """Download a committed step's files into ``local_dir``, verified (loading.py): whole
-        or not at all, ``force`` merges, ``delete`` makes an exact copy, ``include`` and
-        ``exclude`` select files as the aws CLI does."""
-        target = Path(local_dir)
-        check_target(target, force=force or delete)  # before any read
-
-        def pull(info: CheckpointInfo) -> None:
-            download_step(self._tiers_from(info), info, target, progress, force=force,
-                          delete=delete, include=include, exclude=exclude)
-
-        return self._resolve(step, fallback, pull).info
-    # fmt: on
 
 
 def _refuse_step_directory(uri: str, catalog: Catalog) -> None:

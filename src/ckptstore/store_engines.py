@@ -125,8 +125,11 @@ class StoreEngines:
 
     def _catalog_of(self, info: CheckpointInfo) -> Catalog:
         """The catalog of the tier ``info`` was found in."""
-        return self._local.catalog if self._local is not None and info.tier == LOCAL else (
-            self._catalog)  # fmt: skip
+        return (
+            self._local.catalog
+            if self._local is not None and info.tier == LOCAL
+            else (self._catalog)
+        )
 
     def _tiers_from(self, info: CheckpointInfo) -> tuple[Catalog, ...]:
         """The tiers to fetch ``info``'s files from: its own and the slower ones (a local

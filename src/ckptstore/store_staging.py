@@ -35,10 +35,16 @@ class StoreStaging(StoreEngines):
         step = self._writing(layout.check_step(step), persist)
         return self._saver.begin(step, kind, metadata=metadata, allow_older=allow_older)
 
-    # fmt: off
-    def stage_files(self, step: int, files: Iterable[SourceFile], *, plan: Plan | None = None,
-                    kind: str = KIND_DIRECTORY, progress: Progress | None = None,
-                    rank: int | None = None) -> builtins.list[FileEntry]:
+    def stage_files(
+        self,
+        step: int,
+        files: Iterable[SourceFile],
+        *,
+        plan: Plan | None = None,
+        kind: str = KIND_DIRECTORY,
+        progress: Progress | None = None,
+        rank: int | None = None,
+    ) -> builtins.list[FileEntry]:
         """On a participant (its store opened with ``lease=False``): upload files of ``step``
         uncommitted, reusing unchanged files the coordinator's ``plan`` names; the entries."""
         step = layout.check_step(step)
@@ -46,19 +52,23 @@ class StoreStaging(StoreEngines):
             epoch = self._lease.epoch or 0 if self._lease is not None else 0
             plan = Plan(step, kind, epoch, Previous(None), seconds=self.options.save_timeout)
         return stage(self._saver, plan, files, progress, rank=rank)
-    # fmt: on
 
-    # fmt: off
-    def commit_files(self, step: int, entries: Iterable[FileEntry], *,
-                     kind: str = KIND_DIRECTORY, metadata: Mapping[str, Any] | None = None,
-                     world_size: int | None = None, allow_older: bool = False) -> CheckpointInfo:
+    def commit_files(
+        self,
+        step: int,
+        entries: Iterable[FileEntry],
+        *,
+        kind: str = KIND_DIRECTORY,
+        metadata: Mapping[str, Any] | None = None,
+        world_size: int | None = None,
+        allow_older: bool = False,
+    ) -> CheckpointInfo:
         """Commit staged files as ``step`` (``begin_save`` then ``commit``): on failure
         before the manifest is written, nothing is committed and the files are removed."""
         step = self._writing(layout.check_step(step))
         return self._saver.commit_staged(
             step, kind, tuple(entries), metadata, world_size=world_size, allow_older=allow_older
         )
-    # fmt: on
 
     def discard(self, step: int) -> None:
         """Remove every staged file of an uncommitted ``step`` (never a committed one's)."""

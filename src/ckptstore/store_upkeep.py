@@ -74,8 +74,7 @@ class StoreUpkeep(StoreEngines):
         newest step left; the step can be saved again. Returns the steps."""
         steps = [step] if isinstance(step, int) else step
         self._async.drain()  # a save in flight commits before, not under, the delete
-        return self._maintenance.delete(map(layout.check_step, steps), force, tier,
-                                        dry_run=dry_run)  # fmt: skip
+        return self._maintenance.delete(map(layout.check_step, steps), force, tier, dry_run=dry_run)
 
     def copy_to(
         self,

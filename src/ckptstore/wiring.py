@@ -84,24 +84,13 @@ def assemble(
     """Build and connect the engines of a store over ``backend``, writing as ``writer`` (a
     new id unless given: a tiered store's local tier shares its store's, pointer.py)."""
     writer = writer or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    key = key_bytes(options.signing_key) if options.signing_key is not None else None
-    key = key if key is not None else signing_key_from_env()
-    signer = Signer(key) if key is not None else None
+    signer = _signer(options)
     catalog = Catalog(backend, signer=signer)
     local = _local_tier(options, writer, signer, clock, catalog)
     remover = Remover(backend, writer=writer, catalog=catalog, clock=clock)
     faster = (local.catalog,) if local is not None else ()
     committer = Committer(catalog, remover, writer=writer, clock=clock, faster_tiers=faster)
-    lease = None
-    if options.lease:
-        lease = WriterLease(
-            backend,
-            writer,
-            ttl=options.lease_ttl,
-            takeover=options.takeover,
-            clock=clock,
-            on_takeover=committer.stamp_latest,
-        )
+    lease = _lease(backend, writer, options, clock, committer) if options.lease else None
     hold = lease.hold if lease is not None else _no_lease
     pins = Pins(backend)
     pruner = Pruner(catalog, remover, options.policy, pins)
@@ -109,29 +98,127 @@ def assemble(
     replica = Replica(catalog, committer, remover, pruner, hold, options.save_timeout)
     in_flight = AsyncSaver()
     saver = Saver(
-        catalog, committer, remover, lease, pruner.after_save, environment, clock,
-        options.incremental, options.shard_size, in_flight.drain if local is None else _nothing,
-        observer if local is None else None, options.save_timeout,
-    )  # fmt: skip
-    front, persister = saver, None
+        catalog,
+        committer,
+        remover,
+        lease,
+        pruner.after_save,
+        environment,
+        clock,
+        options.incremental,
+        options.shard_size,
+        in_flight.drain if local is None else _nothing,
+        observer if local is None else None,
+        options.save_timeout,
+    )
+    front, persister = _front(local, saver, options, environment, clock, lease, in_flight, observer)
+    durable = Tier(DURABLE, catalog, committer, remover, pins, pruner)
+    maintenance = _maintenance(resolver, durable, local, persister, clock)
+    return Parts(
+        writer,
+        signer,
+        catalog,
+        remover,
+        committer,
+        resolver,
+        lease,
+        pruner,
+        maintenance,
+        replica,
+        in_flight,
+        front,
+        Adopter(saver),
+        local,
+        persister,
+    )
+
+
+def _signer(options: StoreOptions) -> Signer | None:
+    """The signer of manifests: the ``signing_key`` option, else the environment's key."""
+    key = key_bytes(options.signing_key) if options.signing_key is not None else None
+    key = key if key is not None else signing_key_from_env()
+    return Signer(key) if key is not None else None
+
+
+def _lease(
+    backend: Backend,
+    writer: str,
+    options: StoreOptions,
+    clock: Callable[[], float],
+    committer: Committer,
+) -> WriterLease:
+    """The writer lease; taking it from another holder stamps its epoch into ``latest``."""
+    return WriterLease(
+        backend,
+        writer,
+        ttl=options.lease_ttl,
+        takeover=options.takeover,
+        clock=clock,
+        on_takeover=committer.stamp_latest,
+    )
+
+
+def _front(
+    local: LocalTier | None,
+    saver: Saver,
+    options: StoreOptions,
+    environment: Callable[[], Environment],
+    clock: Callable[[], float],
+    lease: WriterLease | None,
+    in_flight: AsyncSaver,
+    observer: SaveObserver | None,
+) -> tuple[Saver, Persister | None]:
+    """Where saves commit: ``saver`` itself, or in a tiered store a saver of the local tier,
+    whose steps the persister copies to the store through ``saver`` (tiers/persister.py)."""
+    if local is None:
+        return saver, None
+    persister = Persister(local, saver, options.persist_policy, observer)
+    front = Saver(
+        local.catalog,
+        local.committer,
+        local.remover,
+        lease,
+        persister.retain_local,
+        environment,
+        clock,
+        options.incremental,
+        options.shard_size,
+        in_flight.drain,
+        observer,
+        options.save_timeout,
+        tiers=persister,
+        node=local.identity.node,
+    )
+    return front, persister
+
+
+def _maintenance(
+    resolver: Resolver,
+    durable: Tier,
+    local: LocalTier | None,
+    persister: Persister | None,
+    clock: Callable[[], float],
+) -> Maintenance:
+    """Many-step operations over the store's tiers, the local one first where there is one;
+    a local step not yet copied stays pinned there (core/maintenance.py)."""
+    tiers: tuple[Tier, ...] = (durable,)
     if local is not None:
-        persister = Persister(local, saver, options.persist_policy, observer)
-        front = Saver(
-            local.catalog, local.committer, local.remover, lease, persister.retain_local,
-            environment, clock, options.incremental, options.shard_size, in_flight.drain,
-            observer, options.save_timeout, tiers=persister, node=local.identity.node,
-        )  # fmt: skip
-    tiers = [Tier(DURABLE, catalog, committer, remover, pins, pruner)]
-    if local is not None:
-        tiers.insert(0, Tier(LOCAL, local.catalog, local.committer, local.remover, local.pins,
-                             local.pruner, local.retention))  # fmt: skip
-    maintenance = Maintenance(resolver, tuple(tiers), clock)
+        tiers = (
+            Tier(
+                LOCAL,
+                local.catalog,
+                local.committer,
+                local.remover,
+                local.pins,
+                local.pruner,
+                local.retention,
+            ),
+            durable,
+        )
+    maintenance = Maintenance(resolver, tiers, clock)
     if persister is not None:
         maintenance = replace(maintenance, forget=persister.drop, pending=persister.pending)
-    return Parts(
-        writer, signer, catalog, remover, committer, resolver, lease, pruner, maintenance,
-        replica, in_flight, front, Adopter(saver), local, persister,
-    )  # fmt: skip
+    return maintenance
 
 
 def _local_tier(

@@ -145,8 +145,13 @@ class UploadCleanup:
                         leftovers.forget(key, UNKNOWN)
                 except ClientError as e:  # an answer: no later try does better
                     leftovers.forget(key, upload_id)
-                    logger.warning("multipart upload %s of %s %s (%s)", upload_id or "(unknown)",
-                                   self.moves.name(key), REFUSED, type(e).__name__)  # fmt: skip
+                    logger.warning(
+                        "multipart upload %s of %s %s (%s)",
+                        upload_id or "(unknown)",
+                        self.moves.name(key),
+                        REFUSED,
+                        type(e).__name__,
+                    )
                 except Exception as e:
                     logger.debug("recorded uploads not aborted yet: %s", e)
                     return

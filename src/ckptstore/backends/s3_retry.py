@@ -92,13 +92,28 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 THROTTLING = frozenset(
-    ["SlowDown", "ServiceUnavailable", "Throttling", "ThrottlingException", "TooManyRequests",
-     "RequestLimitExceeded", "RequestThrottled", "503", "429"]
-)  # fmt: skip
+    [
+        "SlowDown",
+        "ServiceUnavailable",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "503",
+        "429",
+    ]
+)
 TRANSIENT_CODES = frozenset(
-    ["InternalError", "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete",
-     "OperationAborted", "ServiceUnavailable"]
-)  # fmt: skip
+    [
+        "InternalError",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "PriorRequestNotComplete",
+        "OperationAborted",
+        "ServiceUnavailable",
+    ]
+)
 """Codes worth another attempt besides throttling and 5xx statuses (botocore's list). A
 checksum mismatch (BadDigest) is not: the probe sends a wrong CRC32C on purpose, and bytes that
 a part's own checksum refused are refused again."""
@@ -271,8 +286,12 @@ class Retrier:
                     if renewal is None or renewals > RENEWALS or not renewal.renew(signed):
                         raise
                     progress.last_error = describe(e, op)
-                    logger.debug("%s %s: %s; retrying with new credentials", op,
-                                 progress.target, progress.last_error)  # fmt: skip
+                    logger.debug(
+                        "%s %s: %s; retrying with new credentials",
+                        op,
+                        progress.target,
+                        progress.last_error,
+                    )
                     continue
                 if kind is Kind.FATAL:
                     if isinstance(e, ClientError):

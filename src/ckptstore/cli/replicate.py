@@ -67,14 +67,29 @@ def destination_options(f: F) -> F:
             ctx.meta.setdefault(DST_KEY, {})[key] = value
 
     specs: list[tuple[str, str, Callable[..., None], str, bool]] = [
-        ("--dst-storage-option", "KEY=VALUE", pairs, "Backend option for the destination "
-         "only, over the global ones (repeatable).", True),
-        ("--dst-endpoint-url", "URL", setting("endpoint_url"), "S3-compatible endpoint of the "
-         "destination only.", False),
-        ("--dst-profile", "NAME", setting("profile"), "AWS profile of the destination only.",
-         False),
+        (
+            "--dst-storage-option",
+            "KEY=VALUE",
+            pairs,
+            "Backend option for the destination only, over the global ones (repeatable).",
+            True,
+        ),
+        (
+            "--dst-endpoint-url",
+            "URL",
+            setting("endpoint_url"),
+            "S3-compatible endpoint of the destination only.",
+            False,
+        ),
+        (
+            "--dst-profile",
+            "NAME",
+            setting("profile"),
+            "AWS profile of the destination only.",
+            False,
+        ),
         ("--dst-region", "NAME", setting("region"), "Region of the destination only.", False),
-    ]  # fmt: skip
+    ]
     for name, metavar, callback, text, multiple in reversed(specs):
         f = click.option(
             name,

@@ -222,8 +222,12 @@ class Maintenance:
         removed = False
         for t in chosen:
             if t is not self.durable and self.pending(step):
-                log.warning("%s: step %d stays pinned there until its copy is in %s",
-                            t.uri, step, self.durable.uri)  # fmt: skip
+                log.warning(
+                    "%s: step %d stays pinned there until its copy is in %s",
+                    t.uri,
+                    step,
+                    self.durable.uri,
+                )
                 continue
             removed = t.pins.remove(step) or removed
         return removed
@@ -312,7 +316,7 @@ class Maintenance:
             if (
                 t.remover.finish_uncommit(marked[t.name])
                 if t.name in marked
-                else not t.remover.tombstone_at(step)
+                else not t.remover.tombstones.stands(step)
             )
         ]
 
@@ -346,9 +350,14 @@ class Maintenance:
             faster = self.tiers[:-1] if t is self.durable else ()
             elsewhere = frozenset(i.step for other in faster for i in other.catalog.list())
             collector = GarbageCollector(
-                t.catalog, t.remover, self.clock, dry_run=dry_run, older_than=older_than,
-                lease_of=self.durable.catalog.backend, held_elsewhere=elsewhere,
-            )  # fmt: skip
+                t.catalog,
+                t.remover,
+                self.clock,
+                dry_run=dry_run,
+                older_than=older_than,
+                lease_of=self.durable.catalog.backend,
+                held_elsewhere=elsewhere,
+            )
             reports.append((t, collector.run()))
         if len(self.tiers) == 1:
             return reports[0][1]

@@ -12,8 +12,8 @@ module, so each rule below is written once:
   ckptstore") wherever it would have been chosen: skipping it would resume an older step.
 * A step that fails verification is skipped with a warning for the newest older good one.
 * Only an empty store means "nothing to resume from" (NotFoundError). A store whose steps all
-  fail raises, counting the refused steps and saying why, so no job restarts from step 0
-  because of a wrong key or a corrupt bucket.
+  fail raises, counting the refused steps and saying why (refusal.py), so no job restarts
+  from step 0 because of a wrong key or a corrupt bucket.
 
 * A store with a local tier (tiers/local.py) is resolved as one: the newest step either tier holds,
   the local copy of a step before the durable copy, and the durable copy of a step that
@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
+from ckptstore.core.refusal import refusal
 from ckptstore.deadline import Deadline, bounded, within
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
@@ -42,7 +43,6 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     NotFoundError,
-    UntrustedCheckpointError,
     bad_copy,
 )
 from ckptstore.protocol.catalog import Catalog, fenced
@@ -150,8 +150,11 @@ class Resolver:
                 if not fenced(self._fences(catalog, pointer), found):
                     return self._tagged(found, catalog)
                 # a local tier's pointer moved by a writer fenced beside the new holder
-                log.warning("%s: latest step %d is a fenced writer's; listing the others",
-                            catalog.uri(""), found.step)  # fmt: skip
+                log.warning(
+                    "%s: latest step %d is a fenced writer's; listing the others",
+                    catalog.uri(""),
+                    found.step,
+                )
         except (NotFoundError, CorruptCheckpointError) as e:
             log.warning(
                 "%s: latest pointer is unusable (%s); falling back to listing", catalog.uri(""), e
@@ -378,8 +381,12 @@ class Search:
         fallback, ends with this error)."""
         self._failures[info.step] = error
         if self.resolver.faster:
-            log.warning("step %d: its copy in %s failed verification (%s); trying the next "
-                        "copy", info.step, info.uri, bad_copy(error))  # fmt: skip
+            log.warning(
+                "step %d: its copy in %s failed verification (%s); trying the next copy",
+                info.step,
+                info.uri,
+                bad_copy(error),
+            )
         elif self.fallback:
             log.warning("step %d failed verification (%s); trying an older step", info.step, error)
 
@@ -408,48 +415,3 @@ class Search:
                 uri=uri,
             )
         return refusal(uri, self._failures)
-
-
-def refusal(
-    uri: str, failures: dict[int, CheckpointError], *, fenced_count: int = 0
-) -> CheckpointError:
-    """The error for a store whose committed steps were all refused: how many, and why,
-    grouped by reason. Its class is the refusals' common one (UntrustedCheckpointError when
-    every step is signed with another key or unsigned; CompatibilityError when every step is
-    of a newer schema), else CorruptCheckpointError."""
-    by_reason: dict[str, list[int]] = {}
-    for step, error in sorted(failures.items()):
-        by_reason.setdefault(_reason(error, uri), []).append(step)
-    reasons = "; ".join(
-        f"{reason} (step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))})"
-        for reason, steps in by_reason.items()
-    )
-    count = len(failures)
-    also = ""
-    if fenced_count:
-        also = f", and {fenced_count} committed by a writer that had lost the lease"
-    message = (
-        f"{uri}: no committed step passed verification; {count} step{'s' if count > 1 else ''} "
-        f"refused{also}: {reasons}. Nothing was loaded, and a resume must not start from "
-        "scratch here: fix the cause (signing key, ckptstore version, storage) or point the "
-        "job at another URI"
-    )
-    kinds = {type(e) for e in failures.values()}
-    cls: type[CheckpointError] = CorruptCheckpointError
-    for common in (UntrustedCheckpointError, CompatibilityError):
-        if all(issubclass(k, common) for k in kinds):
-            cls = common
-    return cls(message, uri=uri)
-
-
-def _reason(error: CheckpointError, uri: str) -> str:
-    """An error's message as a short reason, to the first ';': a manifest's refusal without
-    the manifest's URI (so that steps refused for one reason group), a file's with the file's
-    path in the store."""
-    text = str(error)
-    where = error.uri or ""
-    if where.endswith(layout.MANIFEST_NAME) and text.startswith(f"{where}: "):
-        text = text[len(where) + 2 :]
-    elif text.startswith(f"{uri}/"):
-        text = text[len(uri) + 1 :]
-    return text.split("; ", 1)[0].split("\n", 1)[0]

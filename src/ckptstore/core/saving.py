@@ -27,11 +27,12 @@ from ckptstore.domain.info import CheckpointInfo, SaveStats
 from ckptstore.domain.manifest import KIND_DIRECTORY, KIND_STATE, Environment, FileEntry
 from ckptstore.domain.plan import Plan
 from ckptstore.errors import CheckpointError, ConfigError
-from ckptstore.protocol.catalog import Catalog, StepState
+from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.commit import Committer
 from ckptstore.protocol.lease import WriterLease
 from ckptstore.protocol.pointer import Pointer
 from ckptstore.protocol.removal import Remover
+from ckptstore.protocol.step_state import StepState
 
 log = logging.getLogger(__name__)
 

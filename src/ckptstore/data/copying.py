@@ -52,9 +52,13 @@ MiB; four parallel GETs keep the destination's parts in flight fed."""
 
 
 def memory_bound(
-    *, part_size: int, parts_in_flight: int, files_at_once: int = 1, chunk_size: int = READ_CHUNK,
+    *,
+    part_size: int,
+    parts_in_flight: int,
+    files_at_once: int = 1,
+    chunk_size: int = READ_CHUNK,
     read_ahead: int = READ_AHEAD,
-) -> int:  # fmt: skip
+) -> int:
     """Bytes a streamed copy holds at most, for a destination that uploads ``parts_in_flight``
     parts of ``part_size`` at once (S3's ``max_concurrency``) while each of ``files_at_once``
     files cuts one more part: the read-ahead chunks plus those parts."""

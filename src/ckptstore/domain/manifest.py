@@ -313,7 +313,7 @@ def encode_tombstone(
     again, so whoever finds the removal unfinished may finish it and drop the tombstone at
     once; otherwise (gc or a coordinator removing uncommitted attempts) the tombstone stays
     until no committer of those attempts can be alive (garbage.py). ``dropping``: when its
-    deletion began (removal.py's ``drop_tombstone``); nobody commits over it meanwhile."""
+    deletion began (tombstones.py's ``Tombstones.drop``); nobody commits over it meanwhile."""
     body: dict[str, Any] = {
         TOMBSTONE_KEY: 1,
         "writer": writer,

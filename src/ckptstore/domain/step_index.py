@@ -95,8 +95,17 @@ class Summary:
 
     def to_json(self) -> list[Any]:
         meta = dict(self.metadata)
-        return [self.step, self.created, self.kind, self.size, self.files, self.writer,
-                self.lease_epoch, self.digest, meta]  # fmt: skip
+        return [
+            self.step,
+            self.created,
+            self.kind,
+            self.size,
+            self.files,
+            self.writer,
+            self.lease_epoch,
+            self.digest,
+            meta,
+        ]
 
     @classmethod
     def from_json(cls, value: object) -> Summary:
@@ -110,9 +119,17 @@ class Summary:
             raise ValueError(f"summary of step {step!r}")
         if not isinstance(writer, str) or not isinstance(digest, str):
             raise ValueError(f"summary of step {step!r}")
-        return cls(_natural(step, "step"), created, kind, _natural(size, "size"),
-                   _natural(files, "files"), writer, _natural(epoch, "lease_epoch"), digest,
-                   metadata)  # fmt: skip
+        return cls(
+            _natural(step, "step"),
+            created,
+            kind,
+            _natural(size, "size"),
+            _natural(files, "files"),
+            writer,
+            _natural(epoch, "lease_epoch"),
+            digest,
+            metadata,
+        )
 
 
 @dataclass(frozen=True)
@@ -165,8 +182,14 @@ class Head:
         new = {s.step: s for s in summaries}
         steps = {s.step: s for s in self.steps} | new
         pending = tuple(p for p in self.pending if p.step not in new)
-        return Head(self.segments, _sorted(steps.values()), pending, self.removing, self.complete,
-                    self.removals)  # fmt: skip
+        return Head(
+            self.segments,
+            _sorted(steps.values()),
+            pending,
+            self.removing,
+            self.complete,
+            self.removals,
+        )
 
     def with_claimed(self, summaries: Iterable[Summary], writer: str) -> Head | None:
         """Summaries added for the steps ``writer`` still claims (others are skipped: a

@@ -109,9 +109,18 @@ def export_hf(
         info = _resolve(store, step)
         with store.resolver.loading(info.step):
             return _export(
-                store, info, out, role, dtype, shard_size, merge_lora, key_prefix_map, hf_config,
-                storage_options, started,
-            )  # fmt: skip
+                store,
+                info,
+                out,
+                role,
+                dtype,
+                shard_size,
+                merge_lora,
+                key_prefix_map,
+                hf_config,
+                storage_options,
+                started,
+            )
 
 
 def _export(

@@ -287,8 +287,11 @@ class CkptStoreReader(StorageReader):
         try:  # making the group is a collective too
             return self._agree(Collectives.past(self.group, timeout), read)
         except RuntimeError as e:  # a collective gave up: a rank never reached it
-            waited = "the process group's timeout" if timeout is None else (
-                f"load_timeout {timeout:g} s + {Collectives.MARGIN:g} s")  # fmt: skip
+            waited = (
+                "the process group's timeout"
+                if timeout is None
+                else (f"load_timeout {timeout:g} s + {Collectives.MARGIN:g} s")
+            )
             rank = Collectives(self.group).rank
             raise DistributedCheckpointError(
                 f"{self.store.uri}: the DCP load was abandoned: rank {rank} waited {waited} "

@@ -288,8 +288,11 @@ def load_distributed(
         with store.resolver.loading():
             return _load(store, comm, step, fallback, allow_pickle)
     except RuntimeError as e:  # a collective gave up waiting: a rank never reached it
-        waited = "the process group's timeout" if timeout is None else (
-            f"load_timeout {timeout:g} s + {Collectives.MARGIN:g} s")  # fmt: skip
+        waited = (
+            "the process group's timeout"
+            if timeout is None
+            else (f"load_timeout {timeout:g} s + {Collectives.MARGIN:g} s")
+        )
         rank = dist.get_rank(group) if dist.is_initialized() else 0
         raise DistributedCheckpointError(
             f"{store.uri}: the load was abandoned: rank {rank} waited {waited} for the "

@@ -156,19 +156,7 @@ class CkptstoreCallback:
         async_save: bool = False,
         **kwargs: Any,
     ) -> None:
-        if async_save:
-            raise ConfigError(
-                "ckptstore cannot commit an asynchronous verl save; set checkpoint.async_save=False"
-            )
-        step = layout.check_step(global_step, where="global_step")
-        if checkpoint_dir is not None and os.path.basename(
-            os.path.normpath(checkpoint_dir)
-        ) != layout.step_dir(step):
-            raise ConfigError(
-                f"checkpoint_dir {checkpoint_dir!r} is not a {layout.step_dir(step)} directory",
-                step=step,
-                path=checkpoint_dir,
-            )
+        step = _saved_step(global_step, checkpoint_dir, async_save)
         if step in self._replace:
             log.warning(
                 "replacing step %d in %s, which failed verification at resume", step, self.store.uri
@@ -181,8 +169,11 @@ class CkptstoreCallback:
         if not tiered and not self.settings.persist_policy.due(
             self._saves_since, None, forced=last
         ):
-            log.info("ckptstore: step %d stays local (persist_every=%s)", step,
-                     self.settings.persist_every)  # fmt: skip
+            log.info(
+                "ckptstore: step %d stays local (persist_every=%s)",
+                step,
+                self.settings.persist_every,
+            )
             return  # verl's own max_actor_ckpt_to_keep prunes the local copies
         meta = {
             "framework": "verl",
@@ -192,9 +183,13 @@ class CkptstoreCallback:
         }
         try:
             info = commit_step(
-                self.store, self.fleet, step, metadata=meta, world_size=self.run.world_size,
+                self.store,
+                self.fleet,
+                step,
+                metadata=meta,
+                world_size=self.run.world_size,
                 persist=last,
-            )  # fmt: skip
+            )
         except CheckpointError as e:
             self._failed(step, e)
             return  # training goes on; the next save is due at once (persist_every)
@@ -209,9 +204,15 @@ class CkptstoreCallback:
         """A commit failed: log and count it; ``max_failed_saves`` in a row raise."""
         self._failures += 1
         limit = self.settings.max_failed_saves
-        log.error("ckptstore: step %d was not committed to %s (%d failure(s) in a row; training "
-                  "goes on, and stops after %d): %s", step, self.store.uri, self._failures,
-                  limit, error)  # fmt: skip
+        log.error(
+            "ckptstore: step %d was not committed to %s (%d failure(s) in a row; training "
+            "goes on, and stops after %d): %s",
+            step,
+            self.store.uri,
+            self._failures,
+            limit,
+            error,
+        )
         if self._failures >= limit:
             raise CheckpointError(
                 f"{self.store.uri}: {self._failures} verl saves in a row could not be committed, "
@@ -293,6 +294,25 @@ def _commit_step(
 
 def _attempts(report: Staged) -> set[str]:
     return {e.attempt for e in report.entries if e.attempt}
+
+
+def _saved_step(global_step: int | None, checkpoint_dir: str | None, async_save: bool) -> int:
+    """The step verl just saved, once its save is one ckptstore can commit: synchronous, and
+    in the ``global_step_N`` directory of that step."""
+    if async_save:
+        raise ConfigError(
+            "ckptstore cannot commit an asynchronous verl save; set checkpoint.async_save=False"
+        )
+    step = layout.check_step(global_step, where="global_step")
+    if checkpoint_dir is not None and os.path.basename(
+        os.path.normpath(checkpoint_dir)
+    ) != layout.step_dir(step):
+        raise ConfigError(
+            f"checkpoint_dir {checkpoint_dir!r} is not a {layout.step_dir(step)} directory",
+            step=step,
+            path=checkpoint_dir,
+        )
+    return step
 
 
 def _verl_version() -> str | None:

@@ -23,10 +23,24 @@ UPLOAD_MODES = ("auto", "driver", "per_node")
 
 
 STORE_KEYS = (
-    "keep_last", "keep_every", "keep_best", "best_metric", "best_mode", "keep_every_seconds",
-    "storage_options", "compat", "incremental", "lease", "takeover", "lease_ttl", "save_timeout",
-    "load_timeout", "local", "local_keep_last", "persist_interval_seconds",
-)  # fmt: skip
+    "keep_last",
+    "keep_every",
+    "keep_best",
+    "best_metric",
+    "best_mode",
+    "keep_every_seconds",
+    "storage_options",
+    "compat",
+    "incremental",
+    "lease",
+    "takeover",
+    "lease_ttl",
+    "save_timeout",
+    "load_timeout",
+    "local",
+    "local_keep_last",
+    "persist_interval_seconds",
+)
 """The :class:`~ckptstore.options.StoreOptions` a verl config may set (policy objects and the
 signing key stay out of YAML: set the key in the environment)."""
 VERL_KEYS = ("uri", "resume", "upload", "prune_local", "persist_every", "max_failed_saves")

@@ -52,16 +52,40 @@ _V0 = "verl.trainer.main_ppo_v0"
 _ONE_STEP = "verl.experimental.one_step_off_policy.main_ppo"
 _ASYNC = "verl.experimental.fully_async_policy.fully_async_main"
 ENTRIES = {
-    "ppo": Entry("verl.trainer.main_ppo", (
-        Runner(_V0, "TaskRunner", ((_V0, "RayPPOTrainer", verl_trainers.CkptstoreRayPPOTrainer),)),
-        Runner("verl.trainer.main_ppo", "TaskRunnerV1",
-               (("verl.trainer.ppo.v1", "get_trainer_cls", verl_trainers.v1_trainer_cls),)),
-    )),
-    "one_step_off": Entry(_ONE_STEP, (Runner(_ONE_STEP, "OneStepTaskRunner", (
-        (_ONE_STEP, "OneStepOffRayTrainer", verl_trainers.CkptstoreOneStepOffRayTrainer),)),)),
-    "fully_async": Entry(_ASYNC, (Runner(_ASYNC, "FullyAsyncTaskRunner", (
-        (_ASYNC, "FullyAsyncTrainer", verl_trainers.CkptstoreFullyAsyncTrainer),)),)),
-}  # fmt: skip
+    "ppo": Entry(
+        "verl.trainer.main_ppo",
+        (
+            Runner(
+                _V0, "TaskRunner", ((_V0, "RayPPOTrainer", verl_trainers.CkptstoreRayPPOTrainer),)
+            ),
+            Runner(
+                "verl.trainer.main_ppo",
+                "TaskRunnerV1",
+                (("verl.trainer.ppo.v1", "get_trainer_cls", verl_trainers.v1_trainer_cls),),
+            ),
+        ),
+    ),
+    "one_step_off": Entry(
+        _ONE_STEP,
+        (
+            Runner(
+                _ONE_STEP,
+                "OneStepTaskRunner",
+                ((_ONE_STEP, "OneStepOffRayTrainer", verl_trainers.CkptstoreOneStepOffRayTrainer),),
+            ),
+        ),
+    ),
+    "fully_async": Entry(
+        _ASYNC,
+        (
+            Runner(
+                _ASYNC,
+                "FullyAsyncTaskRunner",
+                ((_ASYNC, "FullyAsyncTrainer", verl_trainers.CkptstoreFullyAsyncTrainer),),
+            ),
+        ),
+    ),
+}
 
 
 @contextmanager

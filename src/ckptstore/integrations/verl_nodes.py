@@ -165,8 +165,13 @@ class NodeAgent:
         tmp = self.local_dir / temp_name(f"pull-{step}")
         include = [_literal(p) for p in paths] if paths is not None else []
         try:  # with paths: every file excluded, then those taken back (the aws CLI's filters)
-            self.store.pull_dir(tmp, step=step, fallback=False, include=include,
-                                exclude="*" if paths is not None else ())  # fmt: skip
+            self.store.pull_dir(
+                tmp,
+                step=step,
+                fallback=False,
+                include=include,
+                exclude="*" if paths is not None else (),
+            )
             target = self.step_dir(step)
             if target.exists():  # stale or partial: move it aside, then drop it
                 old = self.local_dir / temp_name(f"old-{step}")

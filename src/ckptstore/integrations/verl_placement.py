@@ -31,15 +31,21 @@ def placement_of(groups: Mapping[str, Any]) -> Placement | None:
     for role, group in groups.items():
         workers = getattr(group, "workers", None) or getattr(group, "_workers", None)
         if not workers:
-            log.warning("ckptstore: verl's %s worker group lists no workers; every node pulls "
-                        "the whole step", role)  # fmt: skip
+            log.warning(
+                "ckptstore: verl's %s worker group lists no workers; every node pulls "
+                "the whole step",
+                role,
+            )
             return None
         nodes = []
         for worker in workers:
             node = _node_of(ray, worker)
             if node is None:
-                log.warning("ckptstore: Ray does not say where a %s worker runs; every node "
-                            "pulls the whole step", role)  # fmt: skip
+                log.warning(
+                    "ckptstore: Ray does not say where a %s worker runs; every node "
+                    "pulls the whole step",
+                    role,
+                )
                 return None
             nodes.append(node)
         placement[role] = nodes

@@ -105,8 +105,11 @@ def _resume_latest(
 ) -> Resume:
     step, skipped, source = _choose(run, store, fleet, placement)
     if step is None:
-        log.info("%s holds no checkpoint and %s none: training starts from step 0", store.uri,
-                 run.local_dir)  # fmt: skip
+        log.info(
+            "%s holds no checkpoint and %s none: training starts from step 0",
+            store.uri,
+            run.local_dir,
+        )
         return Resume(None, "scratch")
     pulled = source == "store" or _committed(store, step)
     if pulled and placement is not None:  # each node's share (a no-op where _choose pulled)
@@ -185,8 +188,12 @@ def _choose(
     except (CorruptCheckpointError, CompatibilityError) as e:
         if local is None:
             raise  # never a silent start from step 0
-        log.warning("no step of %s newer than local step %d loads (%s); resuming from it",
-                    store.uri, local, e)  # fmt: skip
+        log.warning(
+            "no step of %s newer than local step %d loads (%s); resuming from it",
+            store.uri,
+            local,
+            e,
+        )
     return local, (), "local"
 
 

@@ -180,8 +180,11 @@ class StoreCheckpointHandler(CheckpointHandler):
             self._saves_since, None, forced=last
         ):
             if self.comm.rank == 0:
-                log.info("ckptstore: step %d stays local (persist_every=%s)", step,
-                         self.settings.persist_every)  # fmt: skip
+                log.info(
+                    "ckptstore: step %d stays local (persist_every=%s)",
+                    step,
+                    self.settings.persist_every,
+                )
             return
         try:
             info = self.commit(step, persist=last)
@@ -243,9 +246,15 @@ class StoreCheckpointHandler(CheckpointHandler):
         self._failures += 1
         limit = self.settings.max_failed_saves
         if self.comm.rank == 0:
-            log.error("ckptstore: step %d was not committed to %s (%d failure(s) in a row; "
-                      "training goes on, and stops after %d): %s", step, self.store.uri,
-                      self._failures, limit, error)  # fmt: skip
+            log.error(
+                "ckptstore: step %d was not committed to %s (%d failure(s) in a row; "
+                "training goes on, and stops after %d): %s",
+                step,
+                self.store.uri,
+                self._failures,
+                limit,
+                error,
+            )
         if self._failures >= limit:
             raise CheckpointError(
                 f"{self.store.uri}: {self._failures} verl SFT saves in a row could not be "
@@ -286,8 +295,11 @@ class StoreCheckpointHandler(CheckpointHandler):
             offer = self.comm.broadcast(offer)
             if offer == "local" or offer == "fresh":
                 if self.comm.rank == 0:
-                    said = f"{self.store.uri} is empty: from step 0" if offer == "fresh" else (
-                        f"verl resumes from its local step {local}")  # fmt: skip
+                    said = (
+                        f"{self.store.uri} is empty: from step 0"
+                        if offer == "fresh"
+                        else (f"verl resumes from its local step {local}")
+                    )
                     log.info("ckptstore: %s", said)
                 return None
             if not isinstance(offer, CheckpointInfo):
@@ -366,8 +378,9 @@ class StoreCheckpointHandler(CheckpointHandler):
         self.local_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.local_dir / temp_name(f"pull-{info.step}-rank-{self.comm.rank}")
         try:
-            self.store.pull_dir(tmp, step=info.step, fallback=False, exclude="*",
-                                include=include_patterns(paths))  # fmt: skip
+            self.store.pull_dir(
+                tmp, step=info.step, fallback=False, exclude="*", include=include_patterns(paths)
+            )
             target = self.agent.step_dir(info.step)
             for path in paths:
                 (target / path).parent.mkdir(parents=True, exist_ok=True)
@@ -444,8 +457,9 @@ def run_sft(config: Any, trainer_cls: type[StoreSFTTrainer] = StoreSFTTrainer) -
     destroy_global_process_group()  # type: ignore[no-untyped-call]
 
 
-@hydra.main(config_path="pkg://verl.trainer.config", config_name="sft_trainer_engine",
-            version_base=None)  # fmt: skip
+@hydra.main(
+    config_path="pkg://verl.trainer.config", config_name="sft_trainer_engine", version_base=None
+)
 def main(config: Any) -> None:
     """``python -m verl.trainer.sft_trainer``'s main, with the store (docs/verl.md)."""
     auto_set_device(config)

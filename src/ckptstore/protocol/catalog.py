@@ -7,9 +7,9 @@ checked, in a signed store), payload bytes against their entries (verified.py).
 
 Listing reads the step index (step_index.py), a few objects however many steps there are,
 and checks each step the index holds a claim on (a save or a removal in flight, or one killed
-half-way) against its manifest, repairing the index with what it found; where the index is
-missing, incomplete or unreadable it reads every manifest and rebuilds it. A listed step's
-manifest is read when first asked for (``CheckpointInfo.manifest``).
+half-way) against its manifest, repairing the index with what it found (index_check.py);
+where the index is missing, incomplete or unreadable it reads every manifest and rebuilds it.
+A listed step's manifest is read when first asked for (``CheckpointInfo.manifest``).
 
 A committed manifest never changes, so the catalog keeps every manifest it has decoded, by
 step. An entry is dropped when its step directory disappears from a listing or this process
@@ -20,7 +20,6 @@ manifest afresh.
 from __future__ import annotations
 
 import builtins
-import enum
 import logging
 import threading
 import time
@@ -44,8 +43,10 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     NotFoundError,
 )
+from ckptstore.protocol.index_check import check_claims, rebuild, repair
 from ckptstore.protocol.pointer import Pointer
-from ckptstore.protocol.step_index import Snapshot, StepIndex, stale
+from ckptstore.protocol.step_index import Snapshot, StepIndex
+from ckptstore.protocol.step_state import StepState
 from ckptstore.retry import Backoff, Retry
 
 log = logging.getLogger(__name__)
@@ -58,23 +59,6 @@ jitter.)"""
 SCAN_THREADS = 16
 """Manifests fetched at once by a listing: each is one small GET, so latency, not bandwidth,
 bounds them."""
-
-
-class StepState(enum.Enum):
-    """What a step's manifest key holds, as far as this reader can tell."""
-
-    ABSENT = "absent"
-    """No manifest (nothing saved, or a save in flight)."""
-    REMOVING = "removing"
-    """A tombstone: the step's files are being removed (removal.py)."""
-    COMMITTED = "committed"
-    UNREADABLE = "unreadable"
-    """A manifest this reader cannot use: corrupt, signed with another key, newer schema."""
-
-    @property
-    def committed(self) -> bool:
-        """A manifest stands there, readable by this reader or not."""
-        return self in (StepState.COMMITTED, StepState.UNREADABLE)
 
 
 class Catalog:
@@ -273,70 +257,29 @@ class Catalog:
         return found, broken
 
     def rebuild_index(self) -> int:
-        """Rebuild the step index from the manifests (``ckptstore index --rebuild``): every
-        summary it held is replaced by one read now; writers' claims stay. Returns how many
-        steps it holds. Retried while removals race it (a removal dropped steps meanwhile)."""
-        for _ in range(3):
-            try:
-                head, _ = self.index.read_head()
-            except CorruptCheckpointError:
-                head = None
+        """Rebuild the step index from the manifests (``ckptstore index --rebuild``;
+        index_check.py). Returns how many steps it holds."""
+
+        def scan() -> builtins.list[Manifest]:
             self.forget_all()
-            committed, _broken = self.scan()
-            found = [Summary.of(m) for m in committed]
-            removals = head.removals if head is not None else None
-            if self.index.rebuild(found, merge=False, removals=removals):
-                return len(found)
-        raise BackendError(
-            f"{self.index.uri}: the step index could not be rebuilt (removals or writers kept "
-            "changing it); try again",
-            retryable=True,
-        )
+            return self.scan()[0]
+
+        return rebuild(self.index, scan)
 
     def _checked(
         self, snapshot: Snapshot
     ) -> tuple[builtins.list[Summary], dict[int, CheckpointError]]:
-        """The index's summaries, with every claimed step (announced, being removed) looked
-        up in its manifest; what was found repairs the index (best effort)."""
-        summaries = dict(snapshot.summaries)
-        head = snapshot.head
-        claimed = sorted({p.step for p in head.pending} | set(head.removing))
-        broken: dict[int, CheckpointError] = {}
-        added: builtins.list[Summary] = []
-        gone: builtins.list[int] = []
-        now = time.time()
-        pending = {p.step: p for p in head.pending}
-        for step in claimed:
-            state = self.state_of(step, fresh=True)
-            if state is StepState.COMMITTED:
-                summary = Summary.of(self.manifest(step))
-                if step in pending or summaries.get(step) != summary:
-                    added.append(summary)
-                summaries[step] = summary
-                continue
-            summaries.pop(step, None)
-            if state is StepState.REMOVING:
-                self.half_removed.add(step)
-            elif state is StepState.UNREADABLE:
-                broken[step] = CorruptCheckpointError(f"step {step}: unreadable manifest")
-            elif step not in pending or stale(pending[step], now):
-                gone.append(step)
-        self._repair(added, gone, head.removals)
-        return sorted(summaries.values(), key=lambda s: s.step), broken
-
-    def _repair(
-        self, added: builtins.list[Summary], gone: builtins.list[int], removals: int
-    ) -> None:
-        try:
-            if added:
-                self.index.update(
-                    lambda h: h.with_summaries(added) if h and h.removals == removals else None,
-                    "repair",
-                )
-            if gone:
-                self.index.drop(gone, removals=removals)
-        except (BackendError, ConflictError) as e:
-            log.info("%s: the step index was not repaired: %s", self.backend.uri, e)
+        """The index's summaries, with every claimed step looked up in its manifest; what
+        was found repairs the index (index_check.py)."""
+        checked = check_claims(
+            snapshot,
+            lambda step: self.state_of(step, fresh=True),
+            lambda step: Summary.of(self.manifest(step)),
+            time.time(),
+        )
+        self.half_removed.update(checked.half_removed)
+        repair(self.index, checked, snapshot.head.removals, self.backend.uri)
+        return checked.summaries, checked.broken
 
     def retention_view(self, newest: int) -> builtins.list[int]:
         """Step numbers for a retention policy to judge, at a cost bounded by ``newest``.

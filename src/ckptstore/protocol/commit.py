@@ -252,7 +252,9 @@ class Committer:
                     "the step); nothing was committed. Save again",
                     **context,
                 ) from error
-            if tombstone_dropping(held) is not None and self.remover.outwait_drop(path, version):
+            if tombstone_dropping(held) is not None and self.remover.tombstones.outwait_drop(
+                path, version
+            ):
                 raise PreconditionFailedError(f"{where} changed while it was waited on", **context)
             self.backend.swap(path, data, version)
 

@@ -226,7 +226,7 @@ class GarbageCollector:
             proven = all(verdicts[a][1] for a in dead)  # else a late committer may be alive
             found.deleted += self.remover.abort_step(step, dead, keep_tombstone=not proven) or []
         elif tombstone is not None and _old(tombstone.mtime, self.tombstone_cutoff):
-            if self.dry_run or self.remover.drop_tombstone(step):
+            if self.dry_run or self.remover.tombstones.drop(step):
                 found.deleted.append(layout.manifest_path(step))
             else:
                 found.kept[layout.manifest_path(step)] = (
@@ -286,8 +286,9 @@ class GarbageCollector:
         stale = [s for s in stale if not self.catalog.state_of(s, fresh=True).committed]
         if stale:
             self.catalog.index.drop(stale, removals=snapshot.head.removals, claims=False)
-            log.info("%s: the step index listed steps without a manifest: %s", self.backend.uri,
-                     stale)  # fmt: skip
+            log.info(
+                "%s: the step index listed steps without a manifest: %s", self.backend.uri, stale
+            )
 
     def _stale_pins(self, pins: list[ObjectInfo], committed: set[int]) -> list[str]:
         return [

@@ -10,7 +10,8 @@ changed by compare-and-swap on the object's version:
   writer moves a pointer stamped with a newer epoch than its own.
 * The holder renews the lease with a heartbeat thread every ``ttl / 4`` seconds, not only when
   it saves: an RL job that saves every half hour keeps it, and its record changes for anyone
-  watching. Before each commit it renews once more, synchronously; that swap is the fence check.
+  watching (lease_heartbeat.py). Before each commit it renews once more, synchronously; that
+  swap is the fence check.
   It gives the lease up on ``close()``, at interpreter exit and when the store is collected, so
   a script run twice just works. A SIGKILL leaves the record to expire after one TTL. While a
   Ctrl-C unwinds, and at interpreter exit, giving it up waits a few seconds at most (a storage
@@ -41,7 +42,6 @@ training job.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -52,32 +52,29 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ckptstore.backends.base import Backend, join
-from ckptstore.deadline import Deadline, bounded, remaining
+from ckptstore.deadline import remaining
 from ckptstore.domain import layout
 from ckptstore.errors import (
     BackendError,
-    CheckpointError,
-    CompatibilityError,
     ConfigError,
     FencedError,
-    LeaseHeldError,
     PreconditionFailedError,
 )
-from ckptstore.protocol.lease_contest import Contender, held_message, lease_context, taken_message
+from ckptstore.protocol.lease_contest import lease_context, taken_message
+from ckptstore.protocol.lease_heartbeat import Heartbeat
 from ckptstore.protocol.lease_record import LeaseRecord, Process, read_lease
 from ckptstore.protocol.lease_release import (
-    held_here,
     holding,
     hurried,
     let_go,
     release_when_collected,
 )
+from ckptstore.protocol.lease_take import ATTEMPTS, Taker
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 60.0
 """Seconds without a renewal after which the lease is gone (the heartbeat renews every 1/4)."""
-_ATTEMPTS = 10
 _STOP_WAIT = 10.0
 
 
@@ -110,14 +107,9 @@ class WriterLease:
         self.backend = backend
         self.writer = writer
         self.ttl = check_ttl(ttl)
-        self.takeover = takeover
         self.clock = clock
         """Wall clock, only for the record's informational ``acquired``/``renewed``."""
         self.monotonic = monotonic
-        self.sleep = sleep
-        self.on_takeover = on_takeover
-        """Called with the new epoch and the displaced holder's writer id when this writer
-        takes the lease from an unreleased one."""
         self.process = process if process is not None else Process.current()
         self.epoch: int | None = None
         """The epoch held, or None."""
@@ -129,14 +121,27 @@ class WriterLease:
         self._uri = join(backend.uri, layout.LEASE_NAME)
         self._context = lease_context(backend)
         """``uri`` and ``path`` of every error about the lease: its record's."""
+        self._taker = Taker(
+            backend,
+            writer,
+            self.process,
+            self.ttl,
+            takeover=takeover,
+            clock=clock,
+            monotonic=monotonic,
+            sleep=sleep,
+            on_takeover=on_takeover,
+            context=self._context,
+        )
+        """Takes the lease (lease_take.py); ``on_takeover`` is called with the new epoch and
+        the displaced holder's writer id when it takes the lease from an unreleased one."""
         self._record: LeaseRecord | None = None
         self._version: str | None = None
         self._renewed_at = 0.0  # monotonic start of the last successful write of ours
         self._last_error: str | None = None
         self._owner_pid = os.getpid()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._heartbeat: Heartbeat | None = None
         self._closed = False
 
     # -- holding -------------------------------------------------------------------------
@@ -158,7 +163,6 @@ class WriterLease:
                 )
             if self.epoch is None:
                 self._acquire()
-                self._start_heartbeat()
             else:
                 self._renew(raising=True)
             assert self.epoch is not None
@@ -244,8 +248,11 @@ class WriterLease:
             )
             return
         if self.unconfirmed() is not None:
-            log.warning("%s: renewed the writer lease after %.0f s without a renewal; nobody "
-                        "took it over", self._uri, started - self._renewed_at)  # fmt: skip
+            log.warning(
+                "%s: renewed the writer lease after %.0f s without a renewal; nobody took it over",
+                self._uri,
+                started - self._renewed_at,
+            )
         self._renewed_at = started
         self._last_error = None
 
@@ -253,7 +260,7 @@ class WriterLease:
         """Swap our record in; a version mismatch is our own retried write, or a takeover.
         ``_version`` only ever holds the version of a record of ours: a fenced writer that
         kept a newer holder's version could swap it out (at release, say)."""
-        for _ in range(_ATTEMPTS):
+        for _ in range(ATTEMPTS):
             try:
                 self._version = self.backend.swap(layout.LEASE_NAME, record.encode(), self._version)
                 self._record = record
@@ -272,94 +279,23 @@ class WriterLease:
             f"{self.backend.uri}: this writer ({self.writer}, epoch {self.epoch}) lost the "
             f"writer lease: {reason}"
         )
-        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         log.warning("%s", self.lost)
         raise FencedError(self.lost, **self._context)
 
-    # -- taking it -------------------------------------------------------------------------
-
-    def _acquire(self) -> None:
-        for _ in range(_ATTEMPTS):
-            record, version, salvaged = read_lease(self.backend)
-            reason = None
-            if record is not None and not record.released and record.holder != self.writer:
-                reason = self._judge(record, version)
-                if reason is None:
-                    continue  # it changed hands or was released while judged: look again
-            epoch = (record.epoch if record is not None else salvaged) + 1
-            mine = LeaseRecord.new(epoch, self.writer, self.process, self.clock(), self.ttl)
-            if record is not None and reason is not None:
-                # Fence latest before the lease changes hands: a holder that is not yet fenced
-                # may still move latest, one that is can no longer do it (pointer.py).
-                self._fence_latest(epoch, record.holder)
-            started = self.monotonic()
-            try:
-                self._version = self.backend.swap(layout.LEASE_NAME, mine.encode(), version)
-            except PreconditionFailedError:
-                continue  # someone renewed or took it meanwhile: look again
-            self.epoch, self._record, self._renewed_at = epoch, mine, started
-            self._owner_pid = os.getpid()
-            holding(self)
-            if record is not None and reason is not None:
-                log.warning(
-                    "%s: took the writer lease (epoch %d) from %s: %s; it can no longer commit",
-                    self._uri,
-                    epoch,
-                    record.holder,
-                    reason,
-                )
-            return
-        raise BackendError(
-            f"{self._uri}: could not take the writer lease (too much contention)", **self._context
-        )
-
-    def _judge(self, record: LeaseRecord, version: str | None) -> str | None:
-        """Why an unreleased record of another writer may be taken (lease_contest.py)."""
-        if self.takeover:
-            return "takeover=True"
-        holder = record.process()
-        if holder and holder.pid == self.process.pid and self.process.same_machine(holder):
-            live = held_here(self.backend.uri, record.holder)
-            if live is not None and live.abandoned:
-                live.release()  # its store was collected: finish that release now, look again
-                return None
-            if live is not None and live.epoch == record.epoch and live.lost is None:
-                message = held_message(self.backend.uri, record, "it is open in this process")
-                raise LeaseHeldError(message, **self._context)
-            return "its store in this process no longer holds it"
-        return Contender(self.backend, self.writer, self.process, self.monotonic, self.sleep).judge(
-            record, version
-        )
-
-    def _fence_latest(self, epoch: int, displaced: str) -> None:
-        if self.on_takeover is None:
-            return
-        try:
-            self.on_takeover(epoch, displaced)
-        except CompatibilityError:
-            raise  # a pointer of a newer ckptstore: this one must not write the store at all
-        except CheckpointError as e:  # the lease itself fences: the zombie's next renewal fails
-            log.warning("%s: could not stamp the new lease epoch into latest: %s", self._uri, e)
-
     # -- the heartbeat and letting go ---------------------------------------------------------
 
-    def _start_heartbeat(self) -> None:
-        if not self._beats:
-            return
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._beat, args=(self._stop,), name=f"ckpt-lease-{self.writer}", daemon=True
-        )
-        self._thread.start()
-
-    def _beat(self, stop: threading.Event) -> None:
-        """Renew every ``ttl / 4``, each renewal by then too: one stuck in a storage that does
-        not answer would hold the lease's lock (and a release, a persist's renewal) for as
-        long as the storage retries."""
-        while not stop.wait(self.ttl / 4):
-            with bounded(Deadline.after(self.ttl / 4, store=self.backend.uri)):
-                if not self.heartbeat():
-                    return
+    def _acquire(self) -> None:
+        taken = self._taker.take()
+        self.epoch, self._record, self._version = taken.epoch, taken.record, taken.version
+        self._renewed_at, self._owner_pid = taken.started, os.getpid()
+        holding(self)
+        if self._beats:
+            self._heartbeat = Heartbeat(
+                self.heartbeat, self.ttl / 4, self.backend.uri, f"ckpt-lease-{self.writer}"
+            )
+            self._heartbeat.start()
 
     def release(self, *, hurry: bool | None = None) -> None:
         """Give the lease up, so the next writer needs no ``takeover``. Idempotent; runs at
@@ -371,14 +307,8 @@ class WriterLease:
         """
         if hurry is None:
             hurry = isinstance(sys.exc_info()[1], KeyboardInterrupt)
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            # A Ctrl-C that landed in the heartbeat's start() may have left a thread that never
-            # started (join raises), or one that did: it sees the stop at its first wait. A
-            # renewal stuck in the storage is waited for by the deadline in force (close's).
-            with contextlib.suppress(RuntimeError):
-                thread.join(remaining(_STOP_WAIT))
+        if self._heartbeat is not None:
+            self._heartbeat.join(remaining(_STOP_WAIT))
         if os.getpid() != self._owner_pid:
             return  # a forked child: the lease is its parent's
         if not self._lock.acquire(timeout=remaining(_STOP_WAIT)):
@@ -401,7 +331,7 @@ class WriterLease:
             )
         finally:
             let_go(self)
-            self.epoch, self._record, self._thread = None, None, None
+            self.epoch, self._record, self._heartbeat = None, None, None
             self._lock.release()
 
     def close(self) -> None:
@@ -422,7 +352,7 @@ class WriterLease:
             return  # fenced: the record belongs to the writer that took it
         released = replace(record, released=True, renewed=self.clock())
         version = self._version
-        for _ in range(_ATTEMPTS):
+        for _ in range(ATTEMPTS):
             try:
                 self.backend.swap(layout.LEASE_NAME, released.encode(), version)
                 return

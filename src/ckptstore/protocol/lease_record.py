@@ -112,9 +112,16 @@ class LeaseRecord:
     @classmethod
     def new(cls, epoch: int, holder: str, process: Process, now: float, ttl: float) -> LeaseRecord:
         return cls(
-            epoch, holder, process.host, process.pid, process.started, process.namespace,
-            acquired=now, renewed=now, ttl=ttl,
-        )  # fmt: skip
+            epoch,
+            holder,
+            process.host,
+            process.pid,
+            process.started,
+            process.namespace,
+            acquired=now,
+            renewed=now,
+            ttl=ttl,
+        )
 
     def process(self) -> Process | None:
         """The holder's process, where the record names one."""

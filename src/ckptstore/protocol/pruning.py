@@ -27,8 +27,9 @@ from ckptstore.domain.manifest import Manifest
 from ckptstore.domain.retention import RetentionPolicy, StepRecord, metric_value, steps_to_delete
 from ckptstore.domain.step_index import Summary
 from ckptstore.errors import CheckpointError, ConfigError
-from ckptstore.protocol.catalog import Catalog, StepState
+from ckptstore.protocol.catalog import Catalog
 from ckptstore.protocol.removal import Remover
+from ckptstore.protocol.step_state import StepState
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,12 @@ class Pruner:
             self.catalog.half_removed.discard(step)
         doomed = self.remover.uncommit_all(chosen)
         if doomed:
-            log.info("retention deleted %d steps from %s: %s", len(doomed),
-                     self.catalog.backend.uri, _spans(doomed))  # fmt: skip
+            log.info(
+                "retention deleted %d steps from %s: %s",
+                len(doomed),
+                self.catalog.backend.uri,
+                _spans(doomed),
+            )
         return doomed
 
     def would_delete(

@@ -6,13 +6,8 @@
 * Removing the attempts of an uncommitted step (``abort_step``, used by ``discard`` and ``gc``)
   first puts a tombstone at the manifest key with a create-only write. While it stands no commit
   of the step can succeed, so no file is deleted from under a step being committed.
-* A tombstone is deleted in two phases (``drop_tombstone``), because a save may commit over a
-  tombstone that names none of its attempts (compare-and-swap), and a plain read-then-delete
-  would delete a manifest committed in between. The dropper first marks the tombstone
-  *dropping* by compare-and-swap (which fails if a commit got there first), then deletes it,
-  only within :data:`DROP_WINDOW` seconds of starting, on its own monotonic clock. Nobody
-  commits or claims over a dropping tombstone: they wait for the key to go, and only after
-  watching it for longer than the window (the dropper died, or gave up) swap over it.
+* A tombstone is deleted in two phases, so that a manifest committed over it in between is
+  never deleted (tombstones.py).
 """
 
 from __future__ import annotations
@@ -23,39 +18,25 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from ckptstore import deadline
 from ckptstore.backends.base import Backend
-from ckptstore.deadline import Deadline, bounded
 from ckptstore.domain import layout
 from ckptstore.domain.manifest import (
     Manifest,
-    dropping_tombstone,
     encode_tombstone,
     is_tombstone,
     tombstone_attempts,
-    tombstone_dropping,
     tombstone_of_commit,
 )
 from ckptstore.errors import (
     CheckpointError,
     CompatibilityError,
     CorruptCheckpointError,
-    DeadlineExceededError,
     NotFoundError,
-    ObjectExistsError,
-    PreconditionFailedError,
 )
 from ckptstore.protocol.catalog import Catalog
-from ckptstore.retry import Backoff, Pauses
+from ckptstore.protocol.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
-
-DROP_WINDOW = 10.0
-"""Seconds after it began marking a tombstone dropping within which a dropper deletes it."""
-DROP_MARGIN = 5.0
-"""What a waiter adds to the window: requests in flight, clocks that tick a little apart."""
-DROP_POLL = Backoff(base=0.05, cap=1.0, jitter=0.0)
-"""A waiter's pauses between looks at a dropping tombstone: 50 ms, doubling to 1 s."""
 
 
 class Remover:
@@ -77,6 +58,8 @@ class Remover:
         self.clock = clock
         self.monotonic = monotonic
         self.sleep = sleep
+        self.tombstones = Tombstones(backend, writer, clock, monotonic, sleep)
+        """The step's manifest key claimed and dropped (tombstones.py)."""
 
     def uncommit(self, step: int) -> None:
         """Delete one committed step (:meth:`uncommit_all`)."""
@@ -113,8 +96,11 @@ class Remover:
         try:  # a tombstone left standing keeps its claim: a prune's reader finishes it
             self.catalog.index.drop(steps)
         except CheckpointError as e:
-            log.warning("%s: removed steps stay in the step index (%s); readers drop "
-                        "them", self.backend.uri, e)  # fmt: skip
+            log.warning(
+                "%s: removed steps stay in the step index (%s); readers drop them",
+                self.backend.uri,
+                e,
+            )
 
     def _uncommit(self, step: int) -> tuple[bool, bool]:
         """Delete a committed step: its manifest is swapped for a tombstone first (the step is
@@ -134,7 +120,7 @@ class Remover:
             return True, self.finish_uncommit(manifest)
         if held is not None and tombstone_of_commit(held):
             self.roll_forward(step)
-            return False, not self.tombstone_at(step)
+            return False, not self.tombstones.stands(step)
         return False, True  # nothing, or gc's tombstone over attempts nobody committed
 
     def finish_uncommit(self, manifest: Manifest) -> bool:
@@ -146,7 +132,7 @@ class Remover:
         attempts = {f.attempt for f in manifest.files if f.attempt is not None}
         markers = {layout.attempt_marker_path(step, a) for a in attempts}
         delete_attempt_files(self.backend, [f.key(step) for f in manifest.files] + [*markers])
-        return self.drop_tombstone(step, gone=True)
+        return self.tombstones.drop(step, gone=True)
 
     def mark_uncommitted(self, step: int) -> Manifest | None:
         """The first half of :meth:`uncommit`: swap the manifest for a tombstone naming its
@@ -167,7 +153,7 @@ class Remover:
         manifest = Manifest.decode(data, where=self.catalog.uri(path))
         attempts = {f.attempt for f in manifest.files if f.attempt is not None}
         tombstone = encode_tombstone(self.writer, self.clock(), attempts, committed=True)
-        self._swap(path, tombstone, version)
+        self.tombstones.swap(path, tombstone, version)
         self.catalog.forget(step)
         return manifest, None
 
@@ -189,20 +175,9 @@ class Remover:
             if layout.parse_attempt_path(step, o.path) in attempts
         ]
         delete_attempt_files(self.backend, doomed)
-        self.drop_tombstone(step)
+        self.tombstones.drop(step)
         log.info("finished the removal of step %d from %s", step, self.backend.uri)
         return [*doomed, path]
-
-    def _swap(self, path: str, data: bytes, version: str) -> None:
-        """Compare-and-swap, where a failed precondition caused by our own swap (it landed,
-        its answer was lost, the retry found the object changed) counts as done."""
-        try:
-            self.backend.swap(path, data, version)
-        except PreconditionFailedError:
-            with contextlib.suppress(NotFoundError):
-                if self.backend.read(path) == data:
-                    return
-            raise
 
     def discard_attempts(self, step: int, attempts: Iterable[str]) -> None:
         """Remove our own attempts' files, unless a manifest of the step lists them (a commit
@@ -271,7 +246,7 @@ class Remover:
         deleted from under a step being committed. Files outside attempts are never touched.
         ``keep_tombstone=False`` (a coordinator discarding its own ranks' attempts, which it
         will not commit) removes the tombstone at the end; ``gc``, which removes attempts of
-        writers it does not know, keeps it, as :meth:`claim` explains.
+        writers it does not know, keeps it, as :meth:`Tombstones.claim` explains.
         """
         prefix = layout.step_dir(step) + "/"
         if attempts is None:
@@ -280,7 +255,7 @@ class Remover:
                 for o in self.backend.list(prefix)
                 if (a := layout.parse_attempt_path(step, o.path)) is not None
             }
-        if not self.claim(step, attempts):
+        if not self.tombstones.claim(step, attempts):
             return None
         doomed = [
             o.path
@@ -289,95 +264,8 @@ class Remover:
         ]
         delete_attempt_files(self.backend, doomed)
         if not keep_tombstone:
-            self.drop_tombstone(step)
+            self.tombstones.drop(step)
         return doomed
-
-    def claim(self, step: int, attempts: Iterable[str]) -> bool:
-        """Put a fresh tombstone naming ``attempts`` at an uncommitted step's manifest key
-        (create-only, or by compare-and-swap over an older tombstone); False if a manifest is
-        there. A committer may commit over a tombstone that names none of its attempts, by
-        compare-and-swap against the version it read, so a newer claim always wins.
-
-        Tombstones are not deleted right away: a committer that saw the key empty before a
-        remover's tombstone could otherwise commit after the remover deleted both its files and
-        the tombstone. ``gc`` removes a tombstone once it is a day old.
-        """
-        path = layout.manifest_path(step)
-        tombstone = encode_tombstone(self.writer, self.clock(), attempts)
-        for _ in range(3):
-            try:
-                self.backend.create(path, tombstone)
-                return True
-            except ObjectExistsError:
-                pass
-            try:
-                held, version = self.backend.read_versioned(path)
-            except NotFoundError:
-                continue
-            if not is_tombstone(held):
-                return False
-            if tombstone_dropping(held) is not None and self.outwait_drop(path, version):
-                continue  # gone: create it
-            try:
-                self.backend.swap(path, tombstone, version)
-                return True
-            except PreconditionFailedError:
-                continue
-        return False
-
-    def drop_tombstone(self, step: int, *, gone: bool = False) -> bool:
-        """Delete the step's tombstone, unless a manifest replaced it, in two phases (module
-        docstring); False if it is left standing (marking or deleting took past the window:
-        the next prune or gc drops it). A tombstone another remover is dropping is marked
-        afresh: whoever waits on the old mark sees it change and looks again. With ``gone``,
-        True means no tombstone is left there: one that a rival marked first (and may have
-        died before deleting) answers False."""
-        path = layout.manifest_path(step)
-        try:
-            held, version = self.backend.read_versioned(path)
-        except NotFoundError:
-            return True
-        if not is_tombstone(held):
-            return True
-        started = self.monotonic()
-        try:
-            self._swap(path, dropping_tombstone(held, self.writer, self.clock()), version)
-        except PreconditionFailedError:  # a commit over it, or a newer claim: not ours now
-            return not gone or not self.tombstone_at(step)
-        left = max(0.0, DROP_WINDOW - (self.monotonic() - started))
-        try:
-            with bounded(Deadline.after(left, clock=self.monotonic)):
-                deadline.check(self.catalog.uri(path), doing="delete")
-                self.backend.delete([path])
-        except DeadlineExceededError as e:
-            log.warning(
-                "%s: left the tombstone of step %d for the next gc: %s", self.backend.uri, step, e
-            )
-            return False
-        return True
-
-    def tombstone_at(self, step: int) -> bool:
-        """Whether a tombstone stands at the step's manifest key (fresh read)."""
-        try:
-            return is_tombstone(self.backend.read(layout.manifest_path(step)))
-        except NotFoundError:
-            return False
-
-    def outwait_drop(self, path: str, version: str) -> bool:
-        """Wait for a dropping tombstone (at ``version``) to be deleted; True once the key is
-        gone or holds something else (look again), False once it stood unchanged past the
-        dropper's window: its dropper deletes it no more, so it may be swapped over."""
-        until = self.monotonic() + DROP_WINDOW + DROP_MARGIN
-        pauses = Pauses(DROP_POLL)
-        while self.monotonic() < until:
-            self.sleep(pauses.next())
-            try:
-                _, now = self.backend.read_versioned(path)
-            except NotFoundError:
-                return True
-            if now != version:
-                return True
-        return False
 
 
 def delete_attempt_files(backend: Backend, paths: Iterable[str]) -> None:

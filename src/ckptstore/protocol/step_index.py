@@ -232,8 +232,9 @@ class StepIndex:
                 names[-1] = self._write_segment((*last[0], *batch))
             else:
                 names.append(self._write_segment(batch))
-            head = Head(tuple(names), rest, head.pending, head.removing, head.complete,
-                        head.removals)  # fmt: skip
+            head = Head(
+                tuple(names), rest, head.pending, head.removing, head.complete, head.removals
+            )
         return head
 
     def _write_segment(self, summaries: Iterable[Summary]) -> str:

@@ -98,8 +98,12 @@ def _abandon(coordinator: Coordinator, attempts: set[str]) -> None:
     try:
         saver.hold_lease()
     except CheckpointError as e:
-        log.warning("%s: the files of step %d's failed persist are left to gc: %s",
-                    saver.uri, coordinator.step, e)  # fmt: skip
+        log.warning(
+            "%s: the files of step %d's failed persist are left to gc: %s",
+            saver.uri,
+            coordinator.step,
+            e,
+        )
         return
     step = coordinator.step
     clean_up(lambda: saver.remover.discard_attempts(step, attempts), f"step {step}'s copied files")

@@ -168,8 +168,12 @@ class TieredFiles:
             except NotFoundError:
                 pass
             except VERIFY_ERRORS as e:
-                log.warning("step %d: %s; reading the file from %s", step, bad_copy(e),
-                            self.tiers[index + 1].backend.uri)  # fmt: skip
+                log.warning(
+                    "step %d: %s; reading the file from %s",
+                    step,
+                    bad_copy(e),
+                    self.tiers[index + 1].backend.uri,
+                )
         return durable.read_verified(step, entry)
 
     def read_file(self, info: CheckpointInfo, path: str) -> memoryview:

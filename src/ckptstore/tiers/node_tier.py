@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from ckptstore.data.copying import FileCopier
 from ckptstore.domain import layout
 from ckptstore.errors import CheckpointError, ConflictError
-from ckptstore.protocol.catalog import StepState
+from ckptstore.protocol.step_state import StepState
 from ckptstore.tiers.local import DEFAULT_LOCAL_KEEP_LAST, LocalTier
 from ckptstore.tiers.placement import PeerLayout
 
@@ -142,9 +142,13 @@ class NodeTier:
             if not self._withdrawn(step, attempts):
                 self._failed(step, e)
                 return
-            log.info("%s: step %d was not saved (its staged files on this node were removed "
-                     "as this process copied them); removing its copies from %s",
-                     self.local.uri, step, durable.uri)  # fmt: skip
+            log.info(
+                "%s: step %d was not saved (its staged files on this node were removed "
+                "as this process copied them); removing its copies from %s",
+                self.local.uri,
+                step,
+                durable.uri,
+            )
             durable.remover.discard_attempts(step, attempts)
         finally:
             with self._lock:
@@ -192,8 +196,13 @@ class NodeTier:
             try:
                 copy()
             except Exception as e:
-                log.warning("%s: the peer copy of step %d failed; a lost node resumes it from "
-                            "the durable tier instead: %s", self.local.uri, step, e)  # fmt: skip
+                log.warning(
+                    "%s: the peer copy of step %d failed; a lost node resumes it from "
+                    "the durable tier instead: %s",
+                    self.local.uri,
+                    step,
+                    e,
+                )
             finally:
                 self.local.pins.release(step)
 

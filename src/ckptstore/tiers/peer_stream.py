@@ -90,10 +90,12 @@ def exchange(
     offers: list[tuple[int, dict[int, list[tuple[str, int]]]]] = comm.all_gather((chunk, offer))
     incoming = {src: o[comm.rank] for src, (_, o) in enumerate(offers) if o.get(comm.rank)}
     stop = threading.Event()
-    readers = {dst: _Reader(backend, files, chunk, stop)
-               for dst, files in outgoing.items() if files}  # fmt: skip
-    writers = {src: _Writer(backend, files, offers[src][0], stop)
-               for src, files in incoming.items()}  # fmt: skip
+    readers = {
+        dst: _Reader(backend, files, chunk, stop) for dst, files in outgoing.items() if files
+    }
+    writers = {
+        src: _Writer(backend, files, offers[src][0], stop) for src, files in incoming.items()
+    }
     workers: list[_Worker] = [*readers.values(), *writers.values()]
     for worker in workers:
         worker.start()
@@ -265,8 +267,9 @@ class _Writer(_Worker):
             except _Stopped:
                 raise
             except Exception as e:
-                log.warning("%s: a peer's copy could not be written: %s",
-                            join(self.backend.uri, key), e)  # fmt: skip
+                log.warning(
+                    "%s: a peer's copy could not be written: %s", join(self.backend.uri, key), e
+                )
                 self.failed.add(key)
             for _ in pieces:  # what the write did not take still arrives
                 pass

@@ -46,10 +46,14 @@ def peer_layout(comm: Collectives, node: NodeTier) -> PeerLayout:
     if node.peer_layout is None:
         layout = PeerLayout(tuple(comm.all_gather(node.local.identity.node)))
         if layout.target(comm.rank) is None and comm.rank == 0:
-            log.warning("%s: all %d ranks are on one node (node id %s): no peer copy is "
-                        "possible, and a lost node resumes from the durable tier (replicas=1 "
-                        "needs ranks on two nodes or more)", node.local.uri, comm.size,
-                        layout.nodes[0])  # fmt: skip
+            log.warning(
+                "%s: all %d ranks are on one node (node id %s): no peer copy is "
+                "possible, and a lost node resumes from the durable tier (replicas=1 "
+                "needs ranks on two nodes or more)",
+                node.local.uri,
+                comm.size,
+                layout.nodes[0],
+            )
         node.peer_layout = layout
     return node.peer_layout
 
@@ -65,10 +69,17 @@ def send_to_peer(comm: Collectives, node: NodeTier, step: int, staged: Sequence[
     backend = node.local.catalog.backend
     got = exchange(comm, backend, {target: [Outgoing(step, e) for e in staged]})
     for source, keys in got.missed.items():
-        log.warning("%s: %d of rank %d's files of step %d did not arrive (%s...): this node "
-                    "holds no copy of them, and if rank %d's node is lost, they are read from "
-                    "the durable tier, or an older step is loaded", node.local.uri, len(keys),
-                    source, step, keys[0], source)  # fmt: skip
+        log.warning(
+            "%s: %d of rank %d's files of step %d did not arrive (%s...): this node "
+            "holds no copy of them, and if rank %d's node is lost, they are read from "
+            "the durable tier, or an older step is loaded",
+            node.local.uri,
+            len(keys),
+            source,
+            step,
+            keys[0],
+            source,
+        )
 
 
 def recover_from_peer(
@@ -104,7 +115,13 @@ def recover_from_peer(
                 outgoing.setdefault(asker, []).append(Outgoing(step, info.manifest.file(path)))
     got = exchange(comm, local.backend, outgoing)
     if wanted:
-        log.warning("%s: %d of %d files of step %d were missing here; %d came from the "
-                    "peers holding their copies; any other is read from the durable tier",
-                    local.backend.uri, len(wanted), len(paths), step, got.count())  # fmt: skip
+        log.warning(
+            "%s: %d of %d files of step %d were missing here; %d came from the "
+            "peers holding their copies; any other is read from the durable tier",
+            local.backend.uri,
+            len(wanted),
+            len(paths),
+            step,
+            got.count(),
+        )
     return got.count()

@@ -163,13 +163,21 @@ class PersistQueue:
         for old in [step, *superseded]:
             self.local.pins.remove(old)
         if superseded:
-            log.warning("%s: steps %s, whose copies failed, are superseded by durable step %d; "
-                        "they stay in the local tier until its retention drops them",
-                        self.uri, superseded, step)  # fmt: skip
+            log.warning(
+                "%s: steps %s, whose copies failed, are superseded by durable step %d; "
+                "they stay in the local tier until its retention drops them",
+                self.uri,
+                superseded,
+                step,
+            )
         self.retain_local()  # the pin is gone: the local tier keeps its count again
         stats = self._stats(step, self.clock() - committed)
-        log.info("%s: step %d is durable, %.2f s after its local commit",
-                 self.uri, step, stats.seconds_to_durable)  # fmt: skip
+        log.info(
+            "%s: step %d is durable, %.2f s after its local commit",
+            self.uri,
+            step,
+            stats.seconds_to_durable,
+        )
         if isinstance(self.observer, TierObserver):
             self.observer.persisted(self.uri, stats)
 
@@ -189,8 +197,14 @@ class PersistQueue:
                     self._failed(step, e)
                     return False
                 pause = pauses.next()
-                log.warning("%s: step %d is not durable yet, the bucket failed (%s); trying "
-                            "again in %.1f s", self.uri, step, e, pause)  # fmt: skip
+                log.warning(
+                    "%s: step %d is not durable yet, the bucket failed (%s); trying "
+                    "again in %.1f s",
+                    self.uri,
+                    step,
+                    e,
+                    pause,
+                )
                 if deadline is not None:
                     time.sleep(min(pause, deadline.remaining()))
                 else:
@@ -247,9 +261,14 @@ class PersistQueue:
                 time.sleep(min(pauses.next(), left))
 
     def _failed(self, step: int, error: CheckpointError) -> None:
-        log.error("%s: step %d stays in the local tier %s; persisting it failed (retried when "
-                  "the store is opened again, unless a later step is durable first): %s",
-                  self.uri, step, self.local.uri, error)  # fmt: skip
+        log.error(
+            "%s: step %d stays in the local tier %s; persisting it failed (retried when "
+            "the store is opened again, unless a later step is durable first): %s",
+            self.uri,
+            step,
+            self.local.uri,
+            error,
+        )
         with self._lock:
             self._failures[step] = error
         if isinstance(self.observer, TierObserver):

@@ -26,8 +26,9 @@ from ckptstore.domain.info import CheckpointInfo, SaveStats
 from ckptstore.domain.manifest import FileEntry, Manifest
 from ckptstore.domain.plan import Plan
 from ckptstore.errors import CheckpointError, DeadlineExceededError, SaveTimeoutError
-from ckptstore.protocol.catalog import StepState, fenced
+from ckptstore.protocol.catalog import fenced
 from ckptstore.protocol.pointer import Pointer
+from ckptstore.protocol.step_state import StepState
 from ckptstore.tiers.local import LocalTier, PersistPolicy
 from ckptstore.tiers.peers import recover_from_peer, send_to_peer
 from ckptstore.tiers.persist_queue import PersistQueue
@@ -80,8 +81,12 @@ class Persister(PersistQueue):
                 resumed.append(step)
                 self.queue(step)
         if resumed:
-            log.warning("%s: persisting steps %s from the local tier %s, where a kill left them",
-                        self.uri, resumed, self.local.uri)  # fmt: skip
+            log.warning(
+                "%s: persisting steps %s from the local tier %s, where a kill left them",
+                self.uri,
+                resumed,
+                self.local.uri,
+            )
 
     def saved(self, stats: SaveStats) -> None:
         """A step was committed in the local tier: pin and queue it if it is due (before the
