@@ -183,6 +183,14 @@ FOLLOWER = textwrap.dedent(
             shown(report)
             passes.append(report)
             if len(passes) == 2:  # a pass after the copy: the follower polls
+                if trap in ("thread-start", "pool-semaphore"):
+                    # A new step in the source, so the next pass copies it in threads (an idle
+                    # pass reads the step index and starts none).
+                    import torch
+                    from ckptstore import CheckpointStore
+
+                    with CheckpointStore(src) as store:
+                        store.save(30, {"w": torch.full((1000,), 30.0)})
                 print("trap", flush=True)
                 TRAPS[trap]()
 
