@@ -13,9 +13,10 @@ Limits, each the best of its rows, measured by this benchmark in the same rounds
 
 * S3 load: parallel GetObjects of ckptstore's own objects (whole, or in ranges of the store's
   part size), ``--concurrency`` at a time, into fresh buffers, with no checksum;
-* S3 save: boto3's plain multipart API from a thread pool (no client checksums) for the same
-  bytes as one object (part size and threads tuned by a sweep in the warm-up), and as the
-  store's own objects; and ``upload_fileobj`` (``TransferConfig``, 16 MiB parts, 8 threads);
+* S3 save: boto3's plain API from a thread pool (no client checksums) for the same bytes as
+  one object (a multipart upload, part size and threads tuned by a sweep before the warm-up),
+  and as the store's own objects (one PutObject each); and ``upload_fileobj``
+  (``TransferConfig``, 16 MiB parts, 8 threads);
 * local load: the same files read by parallel ``preadv`` into fresh buffers, page cache dropped
   (``posix_fadvise(DONTNEED)``) before every run of every row;
 * peers, on 2 gloo ranks (``tests/ranks.py``), each a node with a local tier of its own in front
@@ -359,9 +360,9 @@ def s3_rows(
         ),
         Row(
             "S3 save",
-            f"raw uploads as the store's {len(sizes)} objects, {part // MiB} MiB parts x{conc}",
+            f"raw PutObject of the store's {len(sizes)} objects, whole, x{conc}",
             "limit",
-            lambda: raw.upload("raw-store", sizes, part, conc),
+            lambda: raw.upload("raw-store", sizes, max(sizes), conc),
         ),
     ]
     from boto3.s3.transfer import TransferConfig
