@@ -255,3 +255,24 @@ def test_s3_loads_in_pieces_return_the_bytes_saved_and_catch_corruption(
         s3_client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(data[:-PIECE]))
         with pytest.raises(CorruptCheckpointError, match=f"{len(data) - PIECE} bytes"):
             store.read_file(store.info(1), entry.path)
+
+
+def test_a_file_just_over_a_part_is_one_get(
+    transfers: tuple[Any, Transfers], s3_bucket: str, body_reads: str
+) -> None:
+    """A shard is its tensors' budget (a part) plus a header of a few KiB: its read is one GET,
+    not a second one for the header's bytes (which moto answers by reading the whole object
+    again); a tail longer than ``s3_options.tail`` (an eighth of so small a part) still gets a
+    range of its own."""
+    client, moves = transfers
+    gets: list[str] = []
+    client.meta.events.register("before-call.s3.GetObject", lambda **_: gets.append("GET"))
+    part = 4 * PIECE
+    for size, expected in ((part + 100, 1), (part + part // 8 + 1, 2), (3 * part + 400, 3)):
+        data = os.urandom(size)
+        client.put_object(Bucket=s3_bucket, Key="obj", Body=data)
+        gets.clear()
+        out = memoryview(bytearray(size))
+        assert moves.read_into("obj", out, part) == size
+        assert bytes(out) == data
+        assert len(gets) == expected, (size, gets)
