@@ -1,7 +1,7 @@
 """The fast read paths of a load, and the guarantees they must keep.
 
 Local files are read in ``READ_CHUNK`` pieces, each checksummed as it lands, into buffers that
-ask for huge pages; S3 bodies are read with ``readinto`` in ``READ_PIECE`` pieces straight into
+nobody zero-fills first; S3 bodies are read with ``readinto`` in ``READ_PIECE`` pieces straight into
 the destination. The pieces are made tiny here so every file crosses many of them. Each test
 checks behaviour (the bytes, the errors), never timing, and each fast path's fallback.
 """
@@ -149,18 +149,10 @@ def test_sha256_is_checked_piece_by_piece_too(store: CheckpointStore) -> None:
         read_verified(store.backend, 1, wrong)
 
 
-def test_loads_without_huge_pages_or_read_ahead_hints_read_the_same(
+def test_loads_without_read_ahead_hints_read_the_same(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptstore.protocol.verified as verified
-
-    monkeypatch.setattr(verified, "HUGE_PAGE", 1)  # every buffer asks
-    monkeypatch.setattr(verified, "HUGE_PAGE_ADVICE", -1)  # and the kernel refuses (EINVAL)
-    with pytest.raises(OSError):
-        mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS).madvise(-1)
-    assert same(store.load(1), state())
-    monkeypatch.setattr(verified, "HUGE_PAGE_ADVICE", None)  # a platform without the advice
-    monkeypatch.delattr(os, "posix_fadvise")  # nor read-ahead hints
+    monkeypatch.delattr(os, "posix_fadvise")  # a platform without read-ahead hints
     assert same(store.load(1), state())
 
 
