@@ -19,10 +19,12 @@ Limits, each the best of its rows, measured by this benchmark in the same rounds
   (``TransferConfig``, 16 MiB parts, 8 threads);
 * local load: the same files read by parallel ``preadv`` into fresh buffers, page cache dropped
   (``posix_fadvise(DONTNEED)``) before every run of every row;
-* peers, on 2 gloo ranks (``tests/ranks.py``), each a node with a local tier of its own in front
-  of the bucket: a raw gloo send of the node's bytes, memory to memory, for the recovery of a
-  wiped node from its peer; each rank's own files read by raw parallel reads on every rank at
-  once, for ``load_distributed`` on the same files (caches dropped).
+* on 2 gloo ranks (``tests/ranks.py``), each a node with a local tier of its own in front of
+  the bucket: for the recovery of a wiped node from its peer (``recover_from_peer``, timed
+  alone), a raw copy of the same files: cold ``preadv`` on node 0, gloo ``send``/``recv``,
+  ``write`` + ``fsync`` on node 1 (beside it, gloo alone, memory to memory: the loopback's line
+  rate, which a copy from disk to disk cannot reach); for ``load_distributed`` on the same
+  files, each rank's own files read raw, on every rank at once (caches dropped).
 
 Peers: s3torchconnector's ``S3Checkpoint`` (AWS CRT; ``torch.save`` / ``torch.load`` through
 it) and DCP through s3fs (``FsspecWriter`` / ``FsspecReader``), the same state to the same
@@ -627,7 +629,7 @@ def report(
     out: dict[str, Any] = {"rows": [], "ratios": {}}
     print(
         f"\n{total / 1e6:.0f} MB state ({args.tensors} float32 tensors), medians of "
-        f"{args.rounds} rounds after a warm-up, S3 = moto on 127.0.0.1\n"
+        f"{args.rounds} rounds{"" if args.quick else " after a warm-up"}, S3 = moto on 127.0.0.1\n"
     )
     print("| path | method | MB/s | runs (s) | limit MB/s | ratio to limit |")
     print("|---|---|---:|---:|---:|---:|")
