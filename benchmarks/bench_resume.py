@@ -627,9 +627,10 @@ def report(
 ) -> dict[str, Any]:
     """Print the tables; returns what ``--json`` writes."""
     out: dict[str, Any] = {"rows": [], "ratios": {}}
+    warm = "" if args.quick else " after a warm-up"
     print(
         f"\n{total / 1e6:.0f} MB state ({args.tensors} float32 tensors), medians of "
-        f"{args.rounds} rounds{"" if args.quick else " after a warm-up"}, S3 = moto on 127.0.0.1\n"
+        f"{args.rounds} rounds{warm}, S3 = moto on 127.0.0.1\n"
     )
     print("| path | method | MB/s | runs (s) | limit MB/s | ratio to limit |")
     print("|---|---|---:|---:|---:|---:|")
