@@ -78,3 +78,44 @@ def test_bench_peers_smoke_prints_both_comparisons(tmp_path: Path) -> None:
     for row in rows:
         assert row in proc.stdout, (row, proc.stdout)
     assert "ratios from this run: peer recovery takes" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_resume_quick_prints_every_path_beside_its_limit(tmp_path: Path) -> None:
+    """bench_resume.py --quick: every row (ckptstore, its limits, its peers) measured in one run,
+    each with a positive speed and its path's limit, the ratios, and the resume of a lost node
+    from its peer and from the bucket. Sane numbers, not speed."""
+    out = tmp_path / "resume.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_resume.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {(r["group"], r["role"], r["name"].split(",")[0]) for r in result["rows"]}
+    groups = {"S3 load", "S3 save", "local load", "peer recovery (node 1 wiped)",
+              "load_distributed, 2 ranks"}  # fmt: skip
+    assert {g for g, _, _ in rows} == groups
+    for group in groups:  # each path: ckptstore beside at least one limit
+        assert {(group, "ckptstore"), (group, "limit")} <= {(g, r) for g, r, _ in rows}, group
+    peers = {(g, n) for g, role, n in rows if role == "peer"}
+    for group in ("S3 save", "S3 load"):
+        assert (
+            group,
+            "DCP FsspecWriter (s3fs)" if "save" in group else "DCP FsspecReader (s3fs)",
+        ) in peers
+        assert any(n.startswith("s3torchconnector") for g, n in peers if g == group)
+    for row in result["rows"]:
+        if row["error"]:  # only an optional peer may say why it did not run
+            assert row["role"] == "peer", row
+            continue
+        assert len(row["seconds"]) == 1 and all(s > 0 for s in row["seconds"]), row
+        assert 0 < row["mb_s"] < 1e6 and 0 < row["limit_mb_s"] < 1e6, row
+        assert f"| {row['group']} | {row['name']} | " in proc.stdout
+    for group in groups:
+        assert 0 < result["ratios"][f"{group}: to limit"] < 100, group
+    assert result["resume_peer_s"][0] > 0 and result["resume_bucket_s"][0] > 0
+    assert "resume of a tiered replicas=1 job that lost node 1" in proc.stdout

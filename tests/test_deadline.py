@@ -258,7 +258,10 @@ def test_a_progress_body_reads_like_a_file_and_counts_what_was_sent() -> None:
     assert body.read(100) == b"456789" and body.read(4) == b""
     assert sent == [4, 6]  # each block counted once the next is asked for
     body.seek(0)
-    assert body.read() == b"0123456789"
+    block = body.read()
+    assert block == b"0123456789"
+    # a view of the part, not a copy, and one nobody can write through
+    assert isinstance(block, memoryview) and block.readonly
 
 
 # -- classification and the retry loop ---------------------------------------------------------

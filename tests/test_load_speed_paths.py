@@ -1,7 +1,7 @@
 """The fast read paths of a load, and the guarantees they must keep.
 
 Local files are read in ``READ_CHUNK`` pieces, each checksummed as it lands, into buffers that
-ask for huge pages; S3 bodies are read with ``readinto`` in ``READ_PIECE`` pieces straight into
+nobody zero-fills first; S3 bodies are read with ``readinto`` in ``READ_PIECE`` pieces straight into
 the destination. The pieces are made tiny here so every file crosses many of them. Each test
 checks behaviour (the bytes, the errors), never timing, and each fast path's fallback.
 """
@@ -149,18 +149,10 @@ def test_sha256_is_checked_piece_by_piece_too(store: CheckpointStore) -> None:
         read_verified(store.backend, 1, wrong)
 
 
-def test_loads_without_huge_pages_or_read_ahead_hints_read_the_same(
+def test_loads_without_read_ahead_hints_read_the_same(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptstore.data.verified as verified
-
-    monkeypatch.setattr(verified, "HUGE_PAGE", 1)  # every buffer asks
-    monkeypatch.setattr(verified, "HUGE_PAGE_ADVICE", -1)  # and the kernel refuses (EINVAL)
-    with pytest.raises(OSError):
-        mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS).madvise(-1)
-    assert same(store.load(1), state())
-    monkeypatch.setattr(verified, "HUGE_PAGE_ADVICE", None)  # a platform without the advice
-    monkeypatch.delattr(os, "posix_fadvise")  # nor read-ahead hints
+    monkeypatch.delattr(os, "posix_fadvise")  # a platform without read-ahead hints
     assert same(store.load(1), state())
 
 
@@ -255,3 +247,24 @@ def test_s3_loads_in_pieces_return_the_bytes_saved_and_catch_corruption(
         s3_client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(data[:-PIECE]))
         with pytest.raises(CorruptCheckpointError, match=f"{len(data) - PIECE} bytes"):
             store.read_file(store.info(1), entry.path)
+
+
+def test_a_file_just_over_a_part_is_one_get(
+    transfers: tuple[Any, Transfers], s3_bucket: str, body_reads: str
+) -> None:
+    """A shard is its tensors' budget (a part) plus a header of a few KiB: its read is one GET,
+    not a second one for the header's bytes (which moto answers by reading the whole object
+    again); a tail longer than ``s3_options.tail`` (an eighth of so small a part) still gets a
+    range of its own."""
+    client, moves = transfers
+    gets: list[str] = []
+    client.meta.events.register("before-call.s3.GetObject", lambda **_: gets.append("GET"))
+    part = 4 * PIECE
+    for size, expected in ((part + 100, 1), (part + part // 8 + 1, 2), (3 * part + 400, 3)):
+        data = os.urandom(size)
+        client.put_object(Bucket=s3_bucket, Key="obj", Body=data)
+        gets.clear()
+        out = memoryview(bytearray(size))
+        assert moves.read_into("obj", out, part) == size
+        assert bytes(out) == data
+        assert len(gets) == expected, (size, gets)

@@ -434,6 +434,25 @@ def test_partial_writes_on_a_server_without_list_uploads(
     assert "ListMultipartUploads" in str(caught[0].message)
 
 
+def test_a_file_a_header_past_a_part_goes_up_in_one_put(
+    backend: S3Backend, s3_client: Any, s3_bucket: str
+) -> None:
+    """A shard is a part's worth of tensors plus a header: it goes up in one PutObject (a
+    multipart upload's ETag ends in ``-<parts>``), and a larger file's last few bytes ride with
+    its last part instead of a part of their own; past the tail, they are a part again."""
+    part = 5 * MiB
+    cases = {"shard": (part + 700, ""), "two": (2 * part + 700, "-2")}
+    cases["three"] = (2 * part + part // 4, "-3")
+    for name, (size, suffix) in cases.items():
+        data = os.urandom(size)
+        assert backend.write(name, [data[:1000], memoryview(data)[1000:]]) == size
+        etag = s3_client.head_object(Bucket=s3_bucket, Key=f"run/{name}")["ETag"].strip('"')
+        assert (
+            etag.rpartition("-")[1] + etag.rpartition("-")[2] if "-" in etag else ""
+        ) == suffix, name
+        assert backend.read(name) == data
+
+
 # -- capability probe and fallbacks -------------------------------------------------------------
 
 

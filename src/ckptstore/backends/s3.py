@@ -64,7 +64,7 @@ from ckptstore.backends.s3_credentials import Renewal
 from ckptstore.backends.s3_errors import is_not_found
 from ckptstore.backends.s3_leftovers import Leftovers
 from ckptstore.backends.s3_namespace import Namespace
-from ckptstore.backends.s3_options import S3Options, parse_s3_uri
+from ckptstore.backends.s3_options import MAX_SINGLE_PUT, S3Options, parse_s3_uri, tail
 from ckptstore.backends.s3_probe import PROBE_PREFIX, bare, capabilities, probe
 from ckptstore.backends.s3_progress import Progress
 from ckptstore.backends.s3_retry import Retrier
@@ -202,11 +202,14 @@ class S3Backend(BaseBackend):
         key = self._key(path)
         parts = split(chunks, self._opts.part_size)
         head: deque[bytearray] = deque()
-        size = 0
+        size, part_size, threshold = 0, self._opts.part_size, self._opts.multipart_threshold
+        single = min(threshold + tail(part_size), MAX_SINGLE_PUT)  # the most one PUT takes
         for part in parts:
             head.append(part)
             size += len(part)
-            if size >= self._opts.multipart_threshold:
+            # a whole part means more bytes follow (split cuts one only then); a last piece
+            # may run ``tail`` bytes past the threshold and still go up in one PUT
+            if size >= threshold and (len(part) == part_size or size > single):
                 break
         else:
             body = head[0] if len(head) == 1 else b"".join(head)

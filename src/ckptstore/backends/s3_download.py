@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from botocore.exceptions import ClientError, IncompleteReadError
 
 from ckptstore.backends.s3_errors import code_of, is_refused
+from ckptstore.backends.s3_options import tail
 from ckptstore.backends.s3_progress import Meter, Progress
 from ckptstore.backends.s3_retry import Retrier
 from ckptstore.deadline import submit
@@ -207,11 +208,21 @@ def get_into(
     return moves.retrier.call("GetObject", read.attempt, progress)
 
 
+def ranges_of(size: int, part_size: int) -> list[tuple[int, int]]:
+    """``[first, end)`` ranges of ``part_size`` bytes covering ``size``; a last range of at
+    most ``s3_options.tail`` bytes rides with the one before it (a shard's header)."""
+    ranges = [(a, min(a + part_size, size)) for a in range(0, size, part_size)] or [(0, 0)]
+    if len(ranges) > 1 and ranges[-1][1] - ranges[-1][0] <= tail(part_size):
+        (first, _), (_, end) = ranges[-2], ranges.pop()
+        ranges[-1] = (first, end)
+    return ranges
+
+
 def read_into(moves: GetRequests, key: str, out: memoryview, part_size: int) -> int:
     """Ranged GETs of ``part_size`` bytes, ``max_concurrency`` at a time, straight into
     ``out``: a large file downloads over many connections, like the upload. Returns the
     object's size, which may differ from ``len(out)``."""
-    ranges = [(a, min(a + part_size, len(out))) for a in range(0, len(out), part_size)] or [(0, 0)]
+    ranges = ranges_of(len(out), part_size)
     progress = Progress(moves.name(key), "read")
 
     def fetch(first: int, end: int) -> int:

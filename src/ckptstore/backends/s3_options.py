@@ -33,6 +33,8 @@ DEFAULT_PART_SIZE = 32 * MiB
 this to), so most shards go up in one PutObject: fewer requests than a multipart upload and, on
 servers that rewrite an object when its upload completes (moto), about half the server's work.
 Side by side on moto (256 MiB state), 16 MiB parts saved 0.8x as fast."""
+MAX_TAIL = 1 * MiB
+"""The most bytes a last part (or read range) may run past ``part_size``: see :func:`tail`."""
 DEFAULT_STALL_TIMEOUT = 60.0
 """Seconds a request may move (almost) no bytes before it is aborted and retried: long enough
 for a loaded server's first byte, short against a save's deadline."""
@@ -116,6 +118,19 @@ def _is_ip(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def tail(part_size: int) -> int:
+    """How far past ``part_size`` a file's last part (upload) or range (download) may run,
+    rather than leave a short one of its own: :data:`MAX_TAIL`, or an eighth of a small part.
+
+    A shard is its tensors' budget, ``DEFAULT_SHARD_SIZE`` = ``DEFAULT_PART_SIZE``, plus a
+    header of a few KiB. Cut at exactly ``part_size``, each shard went up as a multipart upload
+    (two parts, a completion that moto answers by rewriting the object) and came back as two
+    GETs (a ranged GET that moto answers by reading the whole object): about twice the
+    server's work per shard, for a few KiB.
+    """
+    return min(MAX_TAIL, part_size // 8)
 
 
 @dataclass(frozen=True)

@@ -152,11 +152,13 @@ class ProgressBody:
 
     urllib3 reads the next block only once the previous one was handed to the socket, so the
     count (one block behind) is what the server accepted, give or take the socket buffers.
-    Reads return copies of at most the size asked, as files do.
+    Reads return at most the size asked, as files do, but as read-only views of the body, not
+    copies: botocore reads it in 128 KiB blocks (to hash it for the signature over plain HTTP,
+    then to send it), and a copy per block was a second copy of every byte a save uploads.
     """
 
     def __init__(self, data: bytes | bytearray | memoryview, meter: Meter) -> None:
-        self._view = memoryview(data).cast("B")
+        self._view = memoryview(data).cast("B").toreadonly()
         self._meter = meter
         self._pos = 0
         self._pending = 0
@@ -164,12 +166,12 @@ class ProgressBody:
     def __len__(self) -> int:
         return len(self._view)
 
-    def read(self, size: int = -1) -> bytes:
+    def read(self, size: int = -1) -> memoryview:
         self._meter.moved(self._pending)  # the previous block was sent
         end = len(self._view)
         if size is not None and size >= 0:
             end = min(end, self._pos + size)
-        block = bytes(self._view[self._pos : end])
+        block = self._view[self._pos : end]
         self._pending = len(block)
         self._pos = end
         return block

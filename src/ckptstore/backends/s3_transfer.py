@@ -44,6 +44,7 @@ from ckptstore.backends.s3_options import (
     DEFAULT_STALL_TIMEOUT,
     MAX_SINGLE_PUT,
     S3Options,
+    tail,
 )
 from ckptstore.backends.s3_progress import Meter, Progress, ProgressBody
 from ckptstore.backends.s3_rate import SendRate, rate_for
@@ -284,7 +285,11 @@ class Transfers:
 
 
 def split(chunks: Iterable[Chunk], part_size: int) -> Iterator[bytearray]:
-    """Re-cut chunks into ``part_size`` pieces (the last may be shorter), copying each byte once."""
+    """Re-cut chunks into ``part_size`` pieces, copying each byte once; the last piece may be
+    shorter, or longer by up to ``s3_options.tail`` bytes (a shard's header goes up with its
+    tensors, not as a part of its own). Bytes past a part are kept until more arrive, then
+    moved into the next piece (a second copy of at most ``tail`` bytes per part)."""
+    limit = part_size + tail(part_size)
     buf = bytearray()
     for chunk in chunks:
         view = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
@@ -292,12 +297,14 @@ def split(chunks: Iterable[Chunk], part_size: int) -> Iterator[bytearray]:
             view = view.cast("B")
         offset, total = 0, view.nbytes
         while offset < total:
-            take = min(part_size - len(buf), total - offset)
+            if len(buf) == limit:  # a part and its tail, and more follows: cut the part
+                rest = buf[part_size:]
+                del buf[part_size:]  # shrinks in place
+                yield buf
+                buf = rest
+            take = min(limit - len(buf), total - offset)
             buf += view[offset : offset + take]
             offset += take
-            if len(buf) == part_size:
-                yield buf
-                buf = bytearray()
     if buf:
         yield buf
 

@@ -1,0 +1,154 @@
+"""What bench_resume.py's rows share: the state, the S3 server on loopback, a row, raw reads."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptstore.domain import layout
+
+MiB = 1 << 20
+BUCKET = "bench"
+REGION, KEY = "us-east-1", "testing"
+
+
+State = dict[str, dict[str, torch.Tensor]]
+
+
+def state_of(size_mb: float, tensors: int, seed: int = 0) -> State:
+    """``tensors`` float32 tensors of ``size_mb`` MiB in all, from a fixed seed, under one
+    top-level key as a model's ``state_dict`` (ckptstore cuts it into shards of 32 MiB)."""
+    gen = torch.Generator().manual_seed(seed)
+    per = max(1, int(size_mb * MiB) // tensors // 4)
+    return {"model": {f"t{i:03d}": torch.rand(per, generator=gen) for i in range(tensors)}}
+
+
+def nbytes(state: State) -> int:
+    return sum(t.numel() * t.element_size() for t in state["model"].values())
+
+
+def flat_bytes(state: State) -> memoryview:
+    """The state's tensor bytes, one after another, in one buffer."""
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state["model"].values()])
+    return memoryview(flat.numpy()).cast("B")
+
+
+def payload(path: str) -> bool:
+    """Whether ``path`` is a payload file of a step (not its manifest or attempt marker)."""
+    return not path.endswith((layout.MANIFEST_NAME, layout.ATTEMPT_MARKER))
+
+
+def cuts(total: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + size, total)) for a in range(0, total, size)] or [(0, 0)]
+
+
+# -- the S3 server and clients ----------------------------------------------------------------
+
+
+class Server:
+    """moto's S3 server in a process of its own, on a free port of 127.0.0.1."""
+
+    def __enter__(self) -> Server:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "ckptstore.testing.s3server", "--port", str(self.port)]
+        self.proc = subprocess.Popen([*cmd, "--bucket", BUCKET], stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # printed once the bucket exists
+        if not line:
+            raise RuntimeError(f"the S3 server did not start (exit {self.proc.wait()})")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def options(self) -> dict[str, Any]:
+        return {"endpoint_url": self.url, "key": KEY, "secret": KEY, "region": REGION}
+
+    def client(self, pool: int = 64) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        config = Config(
+            max_pool_connections=pool,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            region_name=REGION,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=KEY,
+            config=config,
+        )
+
+
+def fsspec_options(server: Server) -> dict[str, Any]:
+    return {
+        "endpoint_url": server.url,
+        "key": KEY,
+        "secret": KEY,
+        "client_kwargs": {"region_name": REGION},
+    }
+
+
+# -- rows -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One method: ``run()`` is timed, ``prep()`` (untimed) runs just before it."""
+
+    group: str
+    name: str
+    role: str  # "ckptstore", "limit", "peer", or "line" (a bound that is not the limit)
+    run: Callable[[], Any]
+    prep: Callable[[], None] = lambda: None
+    seconds: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else float("nan")
+
+
+def raw_read(files: list[Path], piece: int | None, conc: int) -> list[torch.Tensor]:
+    """``files`` read into fresh buffers by ``conc`` threads (whole files, or pieces)."""
+    sizes = {p: p.stat().st_size for p in files}
+    out = {p: torch.empty(s, dtype=torch.uint8) for p, s in sizes.items()}
+    fds = {p: os.open(p, os.O_RDONLY) for p in files}
+
+    def one(task: tuple[Path, int, int]) -> None:
+        path, a, b = task
+        view = memoryview(out[path].numpy())
+        while a < b:
+            n = os.preadv(fds[path], [view[a : min(b, a + 64 * MiB)]], a)
+            if not n:
+                raise AssertionError(f"{path}: ended early")
+            a += n
+
+    tasks = [(p, a, b) for p, s in sizes.items() for a, b in cuts(s, piece or max(s, 1))]
+    try:
+        with ThreadPoolExecutor(min(conc, len(tasks))) as pool:
+            list(pool.map(one, tasks))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return list(out.values())
