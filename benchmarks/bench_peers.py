@@ -42,9 +42,8 @@ import torch.distributed as dist
 from bench_tiers import MiB, drop_cache, state_of
 
 from ckptstore import CheckpointStore
-from ckptstore.integrations import distributed as dist_face
 from ckptstore.integrations.distributed import load_distributed, save_distributed
-from ckptstore.tiers import peers
+from ckptstore.tiers import peers, persister
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from ranks import run_ranks  # tests/ranks.py: gloo ranks forked from a server
@@ -104,7 +103,7 @@ def _resume(rank: int, world: int, size_mb: int, root: Path) -> dict[str, float]
         recovered.append(time.perf_counter())
         return count
 
-    dist_face.recover_from_peer = timed  # the face's reference: time the recovery alone
+    persister.recover_from_peer = timed  # the reference the tiers call: the recovery alone
     store = open_store(root, rank, 1)
     dist.barrier()
     started = time.perf_counter()

@@ -25,9 +25,8 @@ from bench_resume_base import (
 from bench_tiers import drop_cache
 
 from ckptstore import CheckpointStore
-from ckptstore.integrations import distributed as dist_face
 from ckptstore.integrations.distributed import load_distributed, rank_dir, save_distributed
-from ckptstore.tiers import peers
+from ckptstore.tiers import peers, persister
 
 # -- ranks ------------------------------------------------------------------------------------
 
@@ -85,7 +84,7 @@ def rank_rounds(
         recovered.append(time.perf_counter() - started)
         return count
 
-    dist_face.recover_from_peer = timed_recovery  # the face's reference: the recovery alone
+    persister.recover_from_peer = timed_recovery  # the reference the tiers call: the recovery alone
 
     def timed(name: str, fn: Callable[[], Any], wipe: bool = False) -> float:
         if wipe and rank == 1:
