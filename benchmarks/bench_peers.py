@@ -43,7 +43,7 @@ from bench_tiers import MiB, drop_cache, state_of
 
 from ckptstore import CheckpointStore
 from ckptstore.integrations.distributed import load_distributed, save_distributed
-from ckptstore.tiers import peers, persister
+from ckptstore.tiers import peers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from ranks import run_ranks  # tests/ranks.py: gloo ranks forked from a server
@@ -103,7 +103,7 @@ def _resume(rank: int, world: int, size_mb: int, root: Path) -> dict[str, float]
         recovered.append(time.perf_counter())
         return count
 
-    persister.recover_from_peer = timed  # the reference the tiers call: the recovery alone
+    peers.recover_from_peer = timed  # the tiers call it there: the recovery alone
     store = open_store(root, rank, 1)
     dist.barrier()
     started = time.perf_counter()

@@ -26,7 +26,7 @@ from bench_tiers import drop_cache
 
 from ckptstore import CheckpointStore
 from ckptstore.integrations.distributed import load_distributed, rank_dir, save_distributed
-from ckptstore.tiers import peers, persister
+from ckptstore.tiers import peers
 
 # -- ranks ------------------------------------------------------------------------------------
 
@@ -84,7 +84,7 @@ def rank_rounds(
         recovered.append(time.perf_counter() - started)
         return count
 
-    persister.recover_from_peer = timed_recovery  # the reference the tiers call: the recovery alone
+    peers.recover_from_peer = timed_recovery  # the tiers call it there: the recovery alone
 
     def timed(name: str, fn: Callable[[], Any], wipe: bool = False) -> float:
         if wipe and rank == 1:

@@ -26,6 +26,7 @@ DEFERRED = {
     "ckptstore.data.serialize": "imports torch",
     "ckptstore.data.snapshot": "imports torch",
     "ckptstore.export.hf": "imports torch",
+    "ckptstore.tiers.peers": "imports torch.distributed (peer copies over gloo)",
     "ckptstore.integrations.verl_reshard": "imports torch (its DTensor resharding)",
     "ckptstore.cli.demo": "imports torch and, through the S3 server, moto",
     "ckptstore.backends.s3_errors": "imports botocore (s3 extra)",

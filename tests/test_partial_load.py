@@ -24,7 +24,7 @@ from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
 from ckptstore.data.serialize import PICKLE_FILE, SKELETON_FILE
-from ckptstore.domain.layout import LATEST_NAME, MANIFEST_NAME, manifest_path, step_dir
+from ckptstore.domain.layout import LATEST_NAME, MANIFEST_NAME, META_DIR, manifest_path, step_dir
 from ckptstore.errors import (
     ConfigError,
     NotFoundError,
@@ -70,11 +70,14 @@ class Recording(BackendProxy):
         return super().list(prefix)
 
     def payload_read(self) -> set[str]:
-        """The payload files read since the last call, by their path in the step."""
+        """The payload files read since the last call, by their path in the step (the pointer,
+        manifests and the store's own records, such as the step index, are not payload)."""
         names = {
             p.rsplit("/", 1)[-1]
             for p in self.reads
-            if p != LATEST_NAME and not p.endswith("/" + MANIFEST_NAME)
+            if p != LATEST_NAME
+            and not p.endswith("/" + MANIFEST_NAME)
+            and not p.startswith(META_DIR + "/")
         }
         self.reads, self.listings = [], 0
         return names

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FuturesTimeout
+from typing import TYPE_CHECKING
 
-from ckptstore.core.collectives import Collectives
 from ckptstore.core.observer import SaveObserver
 from ckptstore.core.resolver import Resolver
 from ckptstore.core.saving import Saver
@@ -30,8 +30,10 @@ from ckptstore.protocol.catalog import fenced
 from ckptstore.protocol.pointer import Pointer
 from ckptstore.protocol.step_state import StepState
 from ckptstore.tiers.local import LocalTier, PersistPolicy
-from ckptstore.tiers.peers import recover_from_peer, send_to_peer
 from ckptstore.tiers.persist_queue import PersistQueue
+
+if TYPE_CHECKING:  # torch.distributed: a store that never meets a peer never imports torch
+    from ckptstore.core.collectives import Collectives
 
 log = logging.getLogger(__name__)
 
@@ -271,15 +273,19 @@ class Persister(PersistQueue):
     def send_to_peer(self, peers: Collectives, step: int, staged: Sequence[FileEntry]) -> None:
         """Behind the save: this rank's staged files of ``step`` copied to its peer on another
         node, and its peers' written here (peers.py); every rank of ``peers`` calls it."""
+        from ckptstore.tiers import peers as peer_copies  # torch.distributed, when peers meet
+
         node = self.node
-        node.to_peer(step, lambda: send_to_peer(peers, node, step, staged))
+        node.to_peer(step, lambda: peer_copies.send_to_peer(peers, node, step, staged))
 
     def recover_from_peer(
         self, peers: Collectives, info: CheckpointInfo, paths: Sequence[str]
     ) -> int:
         """The files of ``paths`` this node lacks, asked of the peers holding them (peers.py);
         every rank of ``peers`` calls it. Returns how many files this rank recovered."""
-        return recover_from_peer(peers, self.node, info, paths)
+        from ckptstore.tiers import peers as peer_copies  # torch.distributed, when peers meet
+
+        return peer_copies.recover_from_peer(peers, self.node, info, paths)
 
     def fences(self) -> Pointer | None:
         """The durable tier's pointer: its fences judge the steps of both tiers."""
