@@ -57,6 +57,7 @@ BROUGHT_BY: dict[str, str] = {
     "hydra": "verl",  # hydra-core
     "peft": "verl",
     "torchdata": "verl",
+    "pandas": "verl",  # the SFT test writes its parquet data with it
     "packaging": "pytest",
     "tomli": "pytest",  # on Python < 3.11, where tomllib is missing
 }
