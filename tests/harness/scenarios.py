@@ -110,11 +110,13 @@ def _skip_idle_costs(store: CheckpointStore) -> None:
         (own.get("_committer"), own.get("_catalog")),
         (getattr(local, "committer", None), getattr(local, "catalog", None)),
     ):
-        for helper in (committer, catalog, getattr(committer, "remover", None)):
+        remover = getattr(committer, "remover", None)
+        tombstones = getattr(remover, "tombstones", None)
+        for helper in (committer, catalog, remover, tombstones):
             if helper is not None and "sleep" in vars(helper):
                 vars(helper)["sleep"] = lambda seconds: None
-        if committer is not None:  # a tombstone's drop window on the logical clock (removal.py)
-            committer.remover.monotonic = committer.remover.clock
+        if remover is not None:  # a tombstone's drop window on the logical clock (tombstones.py)
+            remover.monotonic = remover.tombstones.monotonic = remover.clock
 
 
 @dataclass(frozen=True)
