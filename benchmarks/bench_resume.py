@@ -172,9 +172,11 @@ def report(
                     "error": r.error,
                 }
             )
-            if r.role == "ckptstore":
-                out["ratios"][f"{group}: to limit"] = speed / best
         mine = next((r for r in members if r.role == "ckptstore"), None)
+        for r in members:  # the first ckptstore row is the group's; others are named
+            if r.role == "ckptstore":
+                label = group if r is mine else f"{group}, {r.name}"
+                out["ratios"][f"{label}: to limit"] = mbs(size, r.median) / best
         for r in members:
             if r.role in ("peer", "line") and mine is not None and r.seconds and mine.seconds:
                 out["ratios"][f"{group}: to {r.name}"] = r.median / mine.median

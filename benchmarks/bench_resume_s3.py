@@ -169,6 +169,14 @@ def peer_rows(server: Server, state: State, bump: Callable[[], None]) -> list[Ro
     return rows
 
 
+def prune_untimed(store: CheckpointStore, bump: Callable[[], None]) -> None:
+    """The older steps of a store without retention deleted outside the timing (the bucket
+    stays small), then a new step's bytes."""
+    for info in store.list()[:-1]:
+        store.delete(info.step)
+    bump()
+
+
 def s3_rows(
     server: Server, state: State, args: argparse.Namespace, notes: dict[str, Any]
 ) -> list[Row]:
@@ -183,6 +191,7 @@ def s3_rows(
             t.view(-1)[0] += 1.0
 
     saver = CheckpointStore(f"s3://{BUCKET}/save", storage_options=options, keep_last=2)
+    plain = CheckpointStore(f"s3://{BUCKET}/plain", storage_options=options)
     loader = CheckpointStore(f"s3://{BUCKET}/load", storage_options=options)
     loader.save(1, state)
     listed = client.list_objects_v2(Bucket=BUCKET, Prefix=f"load/{layout.step_dir(1)}/")
@@ -193,7 +202,20 @@ def s3_rows(
     rows = [
         Row("S3 load", "ckptstore load (every byte verified)", "ckptstore", lambda: loader.load(1)),
         *raw_get_rows(client, objects, part, conc),
-        Row("S3 save", "ckptstore save", "ckptstore", lambda: saver.save(next(steps), state), bump),
+        Row(
+            "S3 save",
+            "ckptstore save (keep_last=2: the commit, then the prune of a step)",
+            "ckptstore",
+            lambda: saver.save(next(steps), state),
+            bump,
+        ),
+        Row(
+            "S3 save",
+            "ckptstore save, no retention (the commit only)",
+            "ckptstore",
+            lambda: plain.save(next(steps), state),
+            lambda: prune_untimed(plain, bump),
+        ),
     ]
     raw = RawUpload(client, flat_bytes(state))
     one_part, one_conc, sweep = tuned_one_object(raw, total, args.quick)

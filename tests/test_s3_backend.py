@@ -7,6 +7,7 @@ one call and passes everything else through.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import threading
@@ -14,10 +15,12 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import crc32c
 import pytest
 from botocore.exceptions import ClientError
 
 from ckptstore.backends import s3_multipart, s3_transfer
+from ckptstore.backends.checksummed import Crc32cChunks
 from ckptstore.backends.registry import open_backend
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.backends.s3_options import S3Options
@@ -451,6 +454,33 @@ def test_a_file_a_header_past_a_part_goes_up_in_one_put(
             etag.rpartition("-")[1] + etag.rpartition("-")[2] if "-" in etag else ""
         ) == suffix, name
         assert backend.read(name) == data
+
+
+def test_a_whole_file_put_carries_the_crc32c_its_chunks_counted(
+    backend: S3Backend, s3_client: Any, s3_bucket: str
+) -> None:
+    """A file sent in one PutObject carries the CRC32C its chunks counted on the way (the
+    manifest's), not a second pass over the body: a count that says otherwise is what the
+    request carries. Plain chunks, or a file in parts, get the checksum computed here."""
+
+    class Miscounted(Crc32cChunks):
+        def whole(self, size: int) -> int | None:
+            return 0x0BADC0DE
+
+    def stored(key: str) -> str:
+        head = s3_client.head_object(Bucket=s3_bucket, Key=f"run/{key}", ChecksumMode="ENABLED")
+        return str(head["ChecksumCRC32C"])
+
+    data = os.urandom(MiB + 300)
+    pieces = [data[:300], memoryview(data)[300:]]
+    counted = Crc32cChunks(iter(pieces))
+    assert backend.write("counted", counted) == len(data)
+    assert counted.whole(len(data)) == crc32c.crc32c(data)
+    assert stored("counted") == crc32c_base64(data)
+    backend.write("miscounted", Miscounted(iter(pieces)))
+    assert stored("miscounted") == base64.b64encode((0x0BADC0DE).to_bytes(4, "big")).decode()
+    backend.write("plain", iter(pieces))
+    assert stored("plain") == crc32c_base64(data)
 
 
 # -- capability probe and fallbacks -------------------------------------------------------------

@@ -60,6 +60,7 @@ from ckptstore.backends.base import (
     PartialWrite,
     error_context,
 )
+from ckptstore.backends.checksummed import Crc32cChunks
 from ckptstore.backends.s3_credentials import Renewal
 from ckptstore.backends.s3_errors import is_not_found
 from ckptstore.backends.s3_leftovers import Leftovers
@@ -213,9 +214,12 @@ class S3Backend(BaseBackend):
                 break
         else:
             body = head[0] if len(head) == 1 else b"".join(head)
+            # the whole file in one PUT: the CRC32C its chunks carry is the body's
+            crc = chunks.whole(size) if isinstance(chunks, Crc32cChunks) else None
+            checksum = self._transfers.part_checksum(body, crc) if crc is not None else {}
             progress = Progress(self._obj(key), "write")
             with self._translated(key, "write"), self._transfers.slot(progress):  # a PUT is a part
-                self._transfers.put(key, body)
+                self._transfers.put(key, body, **checksum)
             return size
         with self._translated(key, "write"):
             rest = itertools.chain(drain(head), parts)

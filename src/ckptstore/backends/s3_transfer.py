@@ -69,9 +69,11 @@ _PAGING = {
 """For each listing: the answer's field that names the next page, and the parameter it goes in."""
 
 
-def crc32c_base64(data: Chunk) -> str:
-    """The form S3's ``ChecksumCRC32C`` header takes: the CRC32C, big-endian, in base64."""
-    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+def crc32c_base64(data: Chunk, known: int | None = None) -> str:
+    """The form S3's ``ChecksumCRC32C`` header takes: the CRC32C, big-endian, in base64
+    (``known``: the CRC32C of ``data``, computed as it streamed in, not computed again)."""
+    value = crc32c.crc32c(data) if known is None else known
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
 def operation(method: str) -> str:
@@ -227,10 +229,13 @@ class Transfers:
     # -- writes ---------------------------------------------------------------------------
 
     def put(self, key: str, body: bytes | bytearray, **extra: str) -> dict[str, Any]:
-        """One PutObject (``extra``: its conditions), carrying a CRC32C if checksums are on,
-        retried. The caller holds a slot where the PUT carries a part's worth of bytes."""
+        """One PutObject (``extra``: its conditions, and its ``ChecksumCRC32C`` where the
+        caller has it: :meth:`part_checksum`), carrying a CRC32C if checksums are on, retried.
+        The caller holds a slot where the PUT carries a part's worth of bytes."""
         if self.checksums:
-            extra = {"ChecksumAlgorithm": "CRC32C", **self.part_checksum(body), **extra}
+            extra = {"ChecksumAlgorithm": "CRC32C", **extra}
+            if "ChecksumCRC32C" not in extra:
+                extra |= self.part_checksum(body)
         progress = Progress(self.name(key), "write")
 
         def attempt() -> dict[str, Any]:
@@ -246,9 +251,10 @@ class Transfers:
             data, Meter(self.stall_timeout, len(data), progress.token, on_bytes=progress.add)
         )
 
-    def part_checksum(self, data: bytes | bytearray) -> dict[str, str]:
-        """``ChecksumCRC32C`` of a part or PUT body, if checksums are on."""
-        return {"ChecksumCRC32C": crc32c_base64(data)} if self.checksums else {}
+    def part_checksum(self, data: bytes | bytearray, known: int | None = None) -> dict[str, str]:
+        """``ChecksumCRC32C`` of a part or PUT body (``known``: its CRC32C, if computed
+        already), if checksums are on."""
+        return {"ChecksumCRC32C": crc32c_base64(data, known)} if self.checksums else {}
 
     # -- multipart (s3_multipart) ---------------------------------------------------------
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptstore.backends.base import Backend, Chunk
+from ckptstore.backends.checksummed import Crc32cChunks
 from ckptstore.data.payload import Progress, SourceFile
 from ckptstore.deadline import clean_up, map_in_context
 from ckptstore.domain import layout
@@ -131,11 +132,14 @@ class Committer:
                 if progress:
                     progress(old.size)
                 return FileEntry(source.path, old.size, old.crc32c, from_step, attempt, old.sha256)
-            crc, sha = Crc32c(), hashlib.sha256() if self.digests else None
-            chunks = _hashed(source.chunks(), crc, sha)
-            size = self.backend.write(path, _reporting(chunks, progress) if progress else chunks)
+            sha = hashlib.sha256() if self.digests else None
+            chunks = source.chunks() if sha is None else _digested(source.chunks(), sha)
+            # the manifest's CRC32C, counted as the bytes pass; a backend that sends the file
+            # in one request uses it as the request's checksum (backends/checksummed.py)
+            counted = Crc32cChunks(_reporting(chunks, progress) if progress else chunks)
+            size = self.backend.write(path, counted)
             digest = sha.hexdigest() if sha is not None else None
-            return FileEntry(source.path, size, crc.hexdigest(), None, attempt, digest)
+            return FileEntry(source.path, size, f"{counted.value:08x}", None, attempt, digest)
 
         workers = max(1, min(self.backend.parallel_writes, len(sources)))
         try:
@@ -368,6 +372,13 @@ def _hashed(chunks: Iterable[Chunk], crc: Crc32c, sha: hashlib._Hash | None) -> 
         crc.update(chunk)
         if sha is not None:
             sha.update(chunk)
+        yield chunk
+
+
+def _digested(chunks: Iterable[Chunk], sha: hashlib._Hash) -> Iterator[Chunk]:
+    """Pass ``chunks`` through, updating the SHA-256 with each."""
+    for chunk in chunks:
+        sha.update(chunk)
         yield chunk
 
 
