@@ -14,6 +14,7 @@ import torch
 
 from ckptstore import CheckpointStore, ConfigError
 from ckptstore.cli.main import run as cli_run
+from ckptstore.domain import layout
 from faults import FaultyBackend, Gate, InjectedFault
 from keys import file_key
 
@@ -153,6 +154,31 @@ def test_a_corrupt_local_copy_falls_back_to_the_durable_copy_of_the_same_step(
         assert loaded.step == 2 and same(loaded.state, state(2))  # step 2 still, not step 1
         assert store.last_loaded is not None and not store.last_loaded.uri.startswith(str(local))
     assert "trying the next copy" in caplog.text
+
+
+def test_a_load_from_the_local_tier_reads_the_durable_pointer_once_and_no_durable_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each read of the durable tier is a GET on a bucket: a load's fixed cost. Its pointer
+    (whose fences judge both tiers) is read once per load, and the manifest of a step the
+    local tier holds too is not read there."""
+    uri, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with CheckpointStore(uri, local=local, persist_every=1) as store:
+        for step in (1, 2):
+            store.save(step, state(step))
+    with CheckpointStore(uri, local=local) as store:
+        backend = store.resolver.catalog.backend
+        reads: list[str] = []
+        for method in ("read", "read_versioned"):
+            real = getattr(backend, method)
+            monkeypatch.setattr(
+                backend, method, lambda path, _real=real: reads.append(path) or _real(path)
+            )
+        loaded = store.load(with_info=True)
+        assert loaded.step == 2 and same(loaded.state, state(2))
+        assert store.last_loaded is not None and store.last_loaded.uri.startswith(local)
+    assert reads.count(layout.LATEST_NAME) == 1, reads
+    assert not [r for r in reads if r.endswith(layout.MANIFEST_NAME)], reads
 
 
 def test_ls_shows_the_tier_of_each_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -309,7 +309,9 @@ def _load(
     tiers = store.tiers
     also: list[CheckpointInfo] = []
     if tiers is not None:  # a node that kept a newer step than rank 0's offers it too
-        also = [i for i in comm.all_gather(tiers.newest_here()) if i is not None]
+        # (rank 0's own local tier is in its search already)
+        here = tiers.newest_here() if comm.rank != 0 else None
+        also = [i for i in comm.all_gather(here) if i is not None]
     search = store.resolver.search(step, fallback=fallback, also=also) if comm.rank == 0 else None
     while True:
         offer: CheckpointInfo | CheckpointError | None = None
