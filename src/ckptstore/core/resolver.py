@@ -368,13 +368,30 @@ class Search:
         self._candidates = self._generate(step)
         self._failures: dict[int, CheckpointError] = {}
         self._offered = 0
+        self._latest: tuple[CheckpointInfo | None] | Exception | None = None
+
+    def prime(self) -> None:
+        """Find latest now, before ``also`` is known (distributed.py reads it while the other
+        ranks look at their local tiers); an error is raised by :meth:`next`, as unprimed."""
+        if self._latest is None and not self.explicit:
+            try:
+                self._latest = (self.resolver.latest(),)
+            except Exception as e:
+                self._latest = e
+
+    def _find_latest(self) -> CheckpointInfo | None:
+        self.prime()
+        if isinstance(self._latest, Exception):
+            raise self._latest
+        assert self._latest is not None
+        return self._latest[0]
 
     def _generate(self, step: int | None) -> Iterator[CheckpointInfo]:
         resolver = self.resolver
         if step is not None:
             yield from resolver.copies(layout.check_step(step))
             return
-        latest = resolver.latest()
+        latest = self._find_latest()
         yield from self._elsewhere(latest)
         if latest is None or not self._wanted(latest.step):
             return

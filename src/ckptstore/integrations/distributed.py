@@ -307,12 +307,14 @@ def _load(
     store: CheckpointStore, comm: Collectives, step: int | None, fallback: bool, allow_pickle: bool
 ) -> Any:
     tiers = store.tiers
-    also: list[CheckpointInfo] = []
+    search = store.resolver.search(step, fallback=fallback) if comm.rank == 0 else None
     if tiers is not None:  # a node that kept a newer step than rank 0's offers it too
-        # (rank 0's own local tier is in its search already)
+        if search is not None:  # rank 0 finds latest (its own tier's too) meanwhile
+            search.prime()
         here = tiers.newest_here() if comm.rank != 0 else None
         also = [i for i in comm.all_gather(here) if i is not None]
-    search = store.resolver.search(step, fallback=fallback, also=also) if comm.rank == 0 else None
+        if search is not None:
+            search.also = tuple(also)
     while True:
         offer: CheckpointInfo | CheckpointError | None = None
         if search is not None:
