@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
@@ -46,7 +47,6 @@ from ckptstore.data.serialize import SKELETON_FILE, decode_state, encode_state
 from ckptstore.deadline import map_in_context
 from ckptstore.domain import layout
 from ckptstore.domain.compat import check_compat
-from ckptstore.domain.environment import current_environment
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import KIND_STATE, FileEntry
 from ckptstore.domain.plan import Plan
@@ -360,7 +360,8 @@ def _offer(
         info = search.next()
         if info is None:
             return search.exhausted()
-        environment = current_environment(world_size=world_size)
+        # the store's, read once (a load would run `git rev-parse` and read package metadata)
+        environment = replace(store.environment, world_size=world_size)
         check_compat(info.manifest.environment, environment, mode=store.compat, where=info.uri)
         return info
     except Exception as e:
