@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from ckptstore import (
     BackendError,
     CheckpointStore,
+    CompatibilityError,
     ConfigError,
     CorruptCheckpointError,
     DistributedCheckpointError,
@@ -70,6 +72,24 @@ def test_a_world_of_one_saves_and_loads_without_a_process_group(tmp_path: Path) 
         assert info.metadata == {"loss": 0.5}
         assert_state_equal(load_distributed(store), rank_state(0, 3))
         assert store.last_loaded == info
+
+
+def test_the_offer_is_checked_against_the_environment_the_store_was_opened_with(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 compares each offered step's writer with the store's environment (read once,
+    not again per load), with the group's world size."""
+    with CheckpointStore(str(tmp_path)) as store:
+        save_distributed(store, 3, rank_state(0, 3))
+        written = store.environment
+    other = replace(written, torch="0.0.1")
+    with (
+        CheckpointStore(str(tmp_path), environment=other, compat="strict") as store,
+        pytest.raises(CompatibilityError, match=r"0\.0\.1"),
+    ):
+        load_distributed(store)
+    with CheckpointStore(str(tmp_path), environment=written, compat="strict") as store:
+        assert_state_equal(load_distributed(store), rank_state(0, 3))
 
 
 def test_each_rank_is_handed_only_the_previous_files_of_its_own_folder() -> None:

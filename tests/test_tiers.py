@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstore import CheckpointStore, ConfigError
+from ckptstore import CheckpointStore, ConfigError, CorruptCheckpointError
 from ckptstore.cli.main import run as cli_run
+from ckptstore.domain import layout
 from faults import FaultyBackend, Gate, InjectedFault
 from keys import file_key
 
@@ -153,6 +154,47 @@ def test_a_corrupt_local_copy_falls_back_to_the_durable_copy_of_the_same_step(
         assert loaded.step == 2 and same(loaded.state, state(2))  # step 2 still, not step 1
         assert store.last_loaded is not None and not store.last_loaded.uri.startswith(str(local))
     assert "trying the next copy" in caplog.text
+
+
+def test_a_load_from_the_local_tier_reads_the_durable_pointer_once_and_no_durable_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each read of the durable tier is a GET on a bucket: a load's fixed cost. Its pointer
+    (whose fences judge both tiers) is read once per load, and the manifest of a step the
+    local tier holds too is not read there."""
+    uri, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with CheckpointStore(uri, local=local, persist_every=1) as store:
+        for step in (1, 2):
+            store.save(step, state(step))
+    with CheckpointStore(uri, local=local) as store:
+        backend = store.resolver.catalog.backend
+        reads: list[str] = []
+        for method in ("read", "read_versioned"):
+            real = getattr(backend, method)
+            monkeypatch.setattr(
+                backend, method, lambda path, _real=real: reads.append(path) or _real(path)
+            )
+        loaded = store.load(with_info=True)
+        assert loaded.step == 2 and same(loaded.state, state(2))
+        assert store.last_loaded is not None and store.last_loaded.uri.startswith(local)
+    assert reads.count(layout.LATEST_NAME) == 1, reads
+    assert not [r for r in reads if r.endswith(layout.MANIFEST_NAME)], reads
+
+
+def test_a_primed_search_raises_its_error_at_the_offer_not_before(tmp_path: Path) -> None:
+    """load_distributed's rank 0 finds latest before the gather of the other ranks' steps:
+    an unreadable store must reach every rank as the offer, not stop rank 0 before the
+    collective that the others wait in."""
+    uri, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with CheckpointStore(uri, local=local, persist_every=1) as store:
+        store.save(1, state(1))
+    for root in (uri, local):
+        (Path(root) / layout.manifest_path(1)).write_text("{")
+    with CheckpointStore(uri, local=local) as store:
+        search = store.resolver.search()
+        search.prime()  # no error yet
+        with pytest.raises(CorruptCheckpointError, match="manifest"):
+            search.next()
 
 
 def test_ls_shows_the_tier_of_each_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -85,6 +85,35 @@ class Resolver:
         """The durable tier: its pointer's fences rule every tier."""
         self.faster = tuple(faster)
         """Tiers in front of it, fastest first (a local tier)."""
+        self._pin = False
+        self._pinned: tuple[Pointer | None] | CorruptCheckpointError | None = None
+
+    def pinned(self) -> Resolver:
+        """A copy for one resolution that reads the durable pointer once: its fences judge
+        every tier's steps, and each tier's check would read it again (a GET each on a
+        bucket, the fixed cost of every load)."""
+        copy = Resolver(self.catalog, faster=self.faster, load_timeout=self.load_timeout)
+        copy._pin = True
+        return copy
+
+    def _durable_pointer(self) -> Pointer | None:
+        """The durable tier's pointer (None when absent); a pinned resolver reads it once."""
+        if not self._pin:
+            return self.catalog.read_pointer()[0]
+        if self._pinned is None:
+            try:
+                self._pinned = (self.catalog.read_pointer()[0],)
+            except CorruptCheckpointError as e:
+                self._pinned = e
+        if isinstance(self._pinned, CorruptCheckpointError):
+            raise self._pinned
+        return self._pinned[0]
+
+    def _durable_fences(self) -> Pointer | None:
+        try:
+            return self._durable_pointer()
+        except CorruptCheckpointError:
+            return None
 
     @property
     def uri(self) -> str:
@@ -116,16 +145,18 @@ class Resolver:
 
     def _fences(self, catalog: Catalog, own: Pointer | None) -> Pointer | None:
         """The pointer whose fences judge ``catalog``'s steps: the durable tier's."""
-        return own if catalog is self.catalog else self.catalog.pointer_or_none()
+        return own if catalog is self.catalog else self._durable_fences()
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed step a resume may start from, in any tier (module
         docstring); ``None`` only when no tier holds a committed step at all."""
+        if not self._pin:
+            return self.pinned().latest()
         best: CheckpointInfo | None = None
         refused: CheckpointError | None = None
         for catalog in self.tiers:
             try:
-                info = self.latest_in(catalog)
+                info = self.latest_in(catalog, above=best.step if best is not None else None)
             except CompatibilityError:
                 raise
             except CorruptCheckpointError as e:
@@ -139,13 +170,18 @@ class Resolver:
             raise refused
         return best
 
-    def latest_in(self, catalog: Catalog) -> CheckpointInfo | None:
-        """The newest committed step of one tier, judged by the durable pointer's fences."""
+    def latest_in(self, catalog: Catalog, *, above: int | None = None) -> CheckpointInfo | None:
+        """The newest committed step of one tier, judged by the durable pointer's fences.
+        With ``above`` (a faster tier's latest), None when the tier's pointer and step index
+        show nothing newer than that: its manifest is then not read (a GET on a bucket)."""
         pointer = None
         try:
-            pointer, _ = catalog.read_pointer()
+            durable = catalog is self.catalog
+            pointer = self._durable_pointer() if durable else catalog.read_pointer()[0]
             if pointer is not None and pointer.step is not None:
                 found = self.committed_after(pointer, catalog=catalog)
+                if found is None and above is not None and pointer.step <= above:
+                    return None
                 found = found or catalog.info(pointer.step)
                 if not fenced(self._fences(catalog, pointer), found):
                     return self._tagged(found, catalog)
@@ -257,7 +293,7 @@ class Resolver:
         older good steps; only steps above ``newer_than`` when given. Each step is offered
         once per tier that holds it, fastest first. ``also``: steps other nodes' local tiers
         hold (distributed.py), offered first when newer than latest and not fenced."""
-        return Search(self, step, fallback=fallback, newer_than=newer_than, also=also)
+        return Search(self.pinned(), step, fallback=fallback, newer_than=newer_than, also=also)
 
     def resolve(
         self,
@@ -283,7 +319,7 @@ class Resolver:
     def older(self, than: int) -> Iterator[CheckpointInfo]:
         """Committed steps before ``than``, newest first (each tier's copy, fastest first),
         without fenced ones."""
-        fences = self.catalog.pointer_or_none()
+        fences = self._durable_fences()
         found = [
             (info.step, index, self._tagged(info, catalog))
             for index, catalog in enumerate(self.tiers)
@@ -332,13 +368,30 @@ class Search:
         self._candidates = self._generate(step)
         self._failures: dict[int, CheckpointError] = {}
         self._offered = 0
+        self._latest: tuple[CheckpointInfo | None] | Exception | None = None
+
+    def prime(self) -> None:
+        """Find latest now, before ``also`` is known (distributed.py reads it while the other
+        ranks look at their local tiers); an error is raised by :meth:`next`, as unprimed."""
+        if self._latest is None and not self.explicit:
+            try:
+                self._latest = (self.resolver.latest(),)
+            except Exception as e:
+                self._latest = e
+
+    def _find_latest(self) -> CheckpointInfo | None:
+        self.prime()
+        if isinstance(self._latest, Exception):
+            raise self._latest
+        assert self._latest is not None
+        return self._latest[0]
 
     def _generate(self, step: int | None) -> Iterator[CheckpointInfo]:
         resolver = self.resolver
         if step is not None:
             yield from resolver.copies(layout.check_step(step))
             return
-        latest = resolver.latest()
+        latest = self._find_latest()
         yield from self._elsewhere(latest)
         if latest is None or not self._wanted(latest.step):
             return
@@ -354,7 +407,7 @@ class Search:
     def _elsewhere(self, latest: CheckpointInfo | None) -> Iterator[CheckpointInfo]:
         """Steps of ``also`` newer than ``latest``, newest first, one each, fenced ones
         left out."""
-        fences = self.resolver.catalog.pointer_or_none() if self.also else None
+        fences = self.resolver._durable_fences() if self.also else None
         newer = {
             i.step: i
             for i in self.also

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
@@ -46,7 +47,6 @@ from ckptstore.data.serialize import SKELETON_FILE, decode_state, encode_state
 from ckptstore.deadline import map_in_context
 from ckptstore.domain import layout
 from ckptstore.domain.compat import check_compat
-from ckptstore.domain.environment import current_environment
 from ckptstore.domain.info import CheckpointInfo
 from ckptstore.domain.manifest import KIND_STATE, FileEntry
 from ckptstore.domain.plan import Plan
@@ -307,10 +307,14 @@ def _load(
     store: CheckpointStore, comm: Collectives, step: int | None, fallback: bool, allow_pickle: bool
 ) -> Any:
     tiers = store.tiers
-    also: list[CheckpointInfo] = []
+    search = store.resolver.search(step, fallback=fallback) if comm.rank == 0 else None
     if tiers is not None:  # a node that kept a newer step than rank 0's offers it too
-        also = [i for i in comm.all_gather(tiers.newest_here()) if i is not None]
-    search = store.resolver.search(step, fallback=fallback, also=also) if comm.rank == 0 else None
+        if search is not None:  # rank 0 finds latest (its own tier's too) meanwhile
+            search.prime()
+        here = tiers.newest_here() if comm.rank != 0 else None
+        also = [i for i in comm.all_gather(here) if i is not None]
+        if search is not None:
+            search.also = tuple(also)
     while True:
         offer: CheckpointInfo | CheckpointError | None = None
         if search is not None:
@@ -356,7 +360,8 @@ def _offer(
         info = search.next()
         if info is None:
             return search.exhausted()
-        environment = current_environment(world_size=world_size)
+        # the store's, read once (a load would run `git rev-parse` and read package metadata)
+        environment = replace(store.environment, world_size=world_size)
         check_compat(info.manifest.environment, environment, mode=store.compat, where=info.uri)
         return info
     except Exception as e:

@@ -252,7 +252,7 @@ class Persister(PersistQueue):
         """The newest step this node's local tier holds, by the durable fences; None when it
         holds none or none is readable (said in a warning): a load then asks the others."""
         try:
-            resolver = Resolver(self.durable.catalog, faster=(self.local.catalog,))
+            resolver = Resolver(self.durable.catalog, faster=(self.local.catalog,)).pinned()
             return resolver.latest_in(self.local.catalog)
         except CheckpointError as e:
             log.warning("%s: the local tier offers no step: %s", self.local.uri, e)
