@@ -77,11 +77,6 @@ def test_scenario_holds_every_invariant(name: str) -> None:
     _check(name)
 
 
-@pytest.mark.slow
-def test_two_writers_pruner_gc_and_a_crash_hold_every_invariant() -> None:
-    _check("all")
-
-
 def test_cli_prints_counts_and_the_summary_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert ex.main(["--scenario", "gc", "--preemptions", "0"]) == 0
     out = capsys.readouterr().out

@@ -175,7 +175,8 @@ def test_one_step_off_trainer_commits_and_resumes_through_its_inherited_save_and
 def ray_local() -> Any:
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    # address="local": a cluster of its own, even while another test's cluster runs on this host
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:
