@@ -54,6 +54,7 @@ from ckptstore.errors import (
 from ckptstore.integrations.verl_config import (
     SECTION,
     UPLOAD_MODES,
+    FailedSaves,
     VerlRun,
     VerlStoreConfig,
 )
@@ -121,8 +122,7 @@ class CkptstoreCallback:
         self._replace: set[int] = set()
         self._saves_since = 0
         """verl saves since the last one committed to the store (``persist_every``)."""
-        self._failures = 0
-        """Commits that failed in a row (``max_failed_saves``)."""
+        self._failures = FailedSaves("verl saves", self.store.uri, self.settings.max_failed_saves)
         self.store.hold_lease()  # fail now, not at the first save hours later
         self.resume = Resume(None, "disabled")
         if self.settings.resume and not (resume_at_load or _RESUME_AT_LOAD.get()):
@@ -191,36 +191,14 @@ class CkptstoreCallback:
                 persist=last,
             )
         except CheckpointError as e:
-            self._failed(step, e)
+            self._failures.failed(step, e)
             return  # training goes on; the next save is due at once (persist_every)
-        self._failures = 0
+        self._failures.succeeded()
         self._saves_since = 0
         self._replace.discard(step)
         log.info("ckptstore: committed %s", info.uri)
         if self.settings.prune_local and self.run.keep_local:
             self._prune_local(step, self.run.keep_local)
-
-    def _failed(self, step: int, error: CheckpointError) -> None:
-        """A commit failed: log and count it; ``max_failed_saves`` in a row raise."""
-        self._failures += 1
-        limit = self.settings.max_failed_saves
-        log.error(
-            "ckptstore: step %d was not committed to %s (%d failure(s) in a row; training "
-            "goes on, and stops after %d): %s",
-            step,
-            self.store.uri,
-            self._failures,
-            limit,
-            error,
-        )
-        if self._failures >= limit:
-            raise CheckpointError(
-                f"{self.store.uri}: {self._failures} verl saves in a row could not be committed, "
-                f"the last one step {step}: {error}. Stopping, so the scheduler sees it: check "
-                "the storage (endpoint, credentials, trainer.ckptstore.save_timeout)",
-                uri=self.store.uri,
-                step=step,
-            ) from error
 
     def _prune_local(self, step: int, keep: int) -> None:
         nodes = self.fleet.nodes()

@@ -67,7 +67,7 @@ from ckptstore.errors import (
     NotFoundError,
 )
 from ckptstore.integrations.distributed import save_coordinated
-from ckptstore.integrations.verl_config import SECTION, VerlStoreConfig
+from ckptstore.integrations.verl_config import SECTION, FailedSaves, VerlStoreConfig
 from ckptstore.integrations.verl_nodes import NodeAgent
 from ckptstore.integrations.verl_reshard import reshard_dir
 from ckptstore.integrations.verl_sft_files import (
@@ -137,7 +137,9 @@ class StoreCheckpointHandler(CheckpointHandler):
         self.store = self._open()
         self.agent = NodeAgent(str(self.local_dir), self.store.uri, store=self.store)
         self._saves_since = 0
-        self._failures = 0
+        self._failures = FailedSaves(
+            "verl SFT saves", self.store.uri, self.settings.max_failed_saves
+        )
         self.resumed: int | None = None
         """The store's step this job pulled to resume from, if it did."""
         self.skipped: set[int] = set()
@@ -189,9 +191,9 @@ class StoreCheckpointHandler(CheckpointHandler):
         try:
             info = self.commit(step, persist=last)
         except CheckpointError as e:  # the same error on every rank
-            self._failed(step, e)
+            self._failures.failed(step, e, log_it=self.comm.rank == 0)
             return
-        self._failures = 0
+        self._failures.succeeded()
         self._saves_since = 0
         if self.comm.rank == 0:
             log.info("ckptstore: committed %s", info.uri)
@@ -239,30 +241,6 @@ class StoreCheckpointHandler(CheckpointHandler):
         )
         if any(i.step == step for i in self.store.list()):
             self.store.delete(step, force=True)
-
-    def _failed(self, step: int, error: CheckpointError) -> None:
-        """A commit failed on every rank: log and count it; ``max_failed_saves`` in a row
-        raise on every rank, so the job stops and the scheduler sees it."""
-        self._failures += 1
-        limit = self.settings.max_failed_saves
-        if self.comm.rank == 0:
-            log.error(
-                "ckptstore: step %d was not committed to %s (%d failure(s) in a row; "
-                "training goes on, and stops after %d): %s",
-                step,
-                self.store.uri,
-                self._failures,
-                limit,
-                error,
-            )
-        if self._failures >= limit:
-            raise CheckpointError(
-                f"{self.store.uri}: {self._failures} verl SFT saves in a row could not be "
-                f"committed, the last one step {step}: {error}. Stopping, so the scheduler sees "
-                f"it: check the storage (endpoint, credentials, {SECTION}.save_timeout)",
-                uri=self.store.uri,
-                step=step,
-            ) from error
 
     # -- resuming -------------------------------------------------------------------------
 
