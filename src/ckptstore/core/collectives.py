@@ -3,10 +3,14 @@ reader, peers.py), over one torch.distributed process group, or a world of one w
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from ckptstore.errors import ConfigError
 
@@ -23,17 +27,44 @@ def _timed_group(group: dist.ProcessGroup | None, timeout: float, use: str) -> d
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     key = (ranks, timeout, use)
     if key not in _TIMED_GROUPS:
-        made = dist.new_group(
-            list(ranks),
-            timeout=timedelta(seconds=timeout),
-            backend="gloo",
-            use_local_synchronization=True,
-        )
+        with _names_of_our_own(key):
+            made = dist.new_group(
+                list(ranks),
+                timeout=timedelta(seconds=timeout),
+                backend="gloo",
+                use_local_synchronization=True,
+            )
         # every rank of the group is a member, so it gets the group, not what a non-member
         # gets (None before torch 2.14, GroupMember.NON_GROUP_MEMBER, -100, since)
         assert isinstance(made, dist.ProcessGroup), made
         _TIMED_GROUPS[key] = made
     return _TIMED_GROUPS[key]
+
+
+_SALT_BASE = 1 << 48
+"""Far above any count of groups a job makes: our salts never meet torch's own."""
+
+
+@contextmanager
+def _names_of_our_own(key: tuple[tuple[int, ...], float, str]) -> Iterator[None]:
+    """Name a members-only group from ``key`` and leave torch's group counter as it was.
+
+    Since torch 2.14 a members-only group (``use_local_synchronization``) is named from the
+    job-wide group counter and advances it, on the members alone: after ckptstore made its
+    timed group over a subgroup, the members' next ``new_group`` (the user's, over the whole
+    world) would take another name than the other ranks' and wait for them forever. The
+    counter is set, for this one creation, to a salt every member derives from ``key`` (so
+    the members agree and two of our groups over the same ranks differ), then restored.
+    Before 2.14 the name came from the registered groups, not the counter: this is a no-op.
+    """
+    world = distributed_c10d._world
+    before = world.group_count
+    digest = hashlib.sha1(repr(key).encode(), usedforsecurity=False).hexdigest()
+    world.group_count = _SALT_BASE + int(digest[:12], 16)
+    try:
+        yield
+    finally:
+        world.group_count = before
 
 
 class Collectives:
