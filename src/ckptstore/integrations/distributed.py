@@ -41,7 +41,8 @@ from ckptstore.backends.base import error_context
 from ckptstore.core.collectives import Collectives
 from ckptstore.core.coordination import Coordinator
 from ckptstore.core.reports import Staged, describe
-from ckptstore.core.resolver import VERIFY_ERRORS, Search
+from ckptstore.core.resolver import VERIFY_ERRORS
+from ckptstore.core.search import Search
 from ckptstore.data.payload import SourceFile
 from ckptstore.data.serialize import SKELETON_FILE, decode_state, encode_state
 from ckptstore.deadline import map_in_context

@@ -53,7 +53,8 @@ from verl.utils.distributed import destroy_global_process_group, initialize_glob
 from ckptstore.backends.fsutil import temp_name
 from ckptstore.core.collectives import Collectives
 from ckptstore.core.reports import describe
-from ckptstore.core.resolver import VERIFY_ERRORS, Search
+from ckptstore.core.resolver import VERIFY_ERRORS
+from ckptstore.core.search import Search
 from ckptstore.data.payload import SourceFile, file_reader
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
