@@ -1,10 +1,11 @@
 """Amazon S3 and S3-compatible servers (MinIO, Ceph RGW, R2, moto), through boto3.
 
-Large objects go up as multipart uploads, small ones in one PutObject, with at most
-``max_concurrency`` parts or PUTs in flight across all the files of a save; the pool, that bound,
-the multipart skeleton (abort on any failure) and the requests that carry a file's bytes (PUTs,
-parts, part copies, ranged GETs) live in :mod:`.s3_transfer`. Each part and PUT carries a CRC32C,
-which the server checks before it accepts it where it can (the probe asks).
+Large objects go up as multipart uploads, small ones in one PutObject (which of the two is
+decided as a file streams, in :mod:`.s3_write`), with at most ``max_concurrency`` parts or PUTs
+in flight across all the files of a save; the pool, that bound, the multipart skeleton (abort
+on any failure) and the requests that carry a file's bytes (PUTs, parts, part copies, ranged
+GETs) live in :mod:`.s3_transfer`. Each part and PUT carries a CRC32C, which the server checks
+before it accepts it where it can (the probe asks).
 
 The commit marker (the manifest) is written with ``If-None-Match: *``, so of two writers
 committing the same step exactly one wins and the other gets ObjectExistsError; the ``latest``
@@ -39,12 +40,10 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import itertools
 import logging
 import re
 import threading
 import uuid
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -60,16 +59,15 @@ from ckptstore.backends.base import (
     PartialWrite,
     error_context,
 )
-from ckptstore.backends.checksummed import Crc32cChunks
 from ckptstore.backends.s3_credentials import Renewal
 from ckptstore.backends.s3_errors import is_not_found
 from ckptstore.backends.s3_leftovers import Leftovers
 from ckptstore.backends.s3_namespace import Namespace
-from ckptstore.backends.s3_options import MAX_SINGLE_PUT, S3Options, parse_s3_uri, tail
+from ckptstore.backends.s3_options import S3Options, parse_s3_uri
 from ckptstore.backends.s3_probe import PROBE_PREFIX, bare, capabilities, probe
-from ckptstore.backends.s3_progress import Progress
 from ckptstore.backends.s3_retry import Retrier
-from ckptstore.backends.s3_transfer import Transfers, crc32c_base64, drain, split
+from ckptstore.backends.s3_transfer import Transfers, crc32c_base64
+from ckptstore.backends.s3_write import FileWrites
 from ckptstore.errors import CheckpointError, ConfigError, NotFoundError, PreconditionFailedError
 
 __all__ = ["S3Backend", "S3Options", "parse_s3_uri"]
@@ -97,6 +95,7 @@ class S3Backend(BaseBackend):
         self._unquoted_if_match = False
         self._bucket_checked = False
         self._transfers = Transfers.for_options(self._client, self._bucket, self._opts)
+        self._writes = FileWrites(self._transfers, self._opts, self._errors)
         self._namespace = Namespace(
             self._uri, self._base, self._transfers, self._errors, self._warn_once
         )
@@ -198,32 +197,10 @@ class S3Backend(BaseBackend):
     # -- writes -----------------------------------------------------------------------------
 
     def write(self, path: str, chunks: Iterable[Chunk]) -> int:
-        """One PutObject below ``multipart_threshold``, else a parallel multipart upload."""
+        """One PutObject below ``multipart_threshold``, else a parallel multipart upload
+        (:mod:`.s3_write`)."""
         self._transfers.settle()
-        key = self._key(path)
-        parts = split(chunks, self._opts.part_size)
-        head: deque[bytearray] = deque()
-        size, part_size, threshold = 0, self._opts.part_size, self._opts.multipart_threshold
-        single = min(threshold + tail(part_size), MAX_SINGLE_PUT)  # the most one PUT takes
-        for part in parts:
-            head.append(part)
-            size += len(part)
-            # a whole part means more bytes follow (split cuts one only then); a last piece
-            # may run ``tail`` bytes past the threshold and still go up in one PUT
-            if size >= threshold and (len(part) == part_size or size > single):
-                break
-        else:
-            body = head[0] if len(head) == 1 else b"".join(head)
-            # the whole file in one PUT: the CRC32C its chunks carry is the body's
-            crc = chunks.whole(size) if isinstance(chunks, Crc32cChunks) else None
-            checksum = self._transfers.part_checksum(body, crc) if crc is not None else {}
-            progress = Progress(self._obj(key), "write")
-            with self._translated(key, "write"), self._transfers.slot(progress):  # a PUT is a part
-                self._transfers.put(key, body, **checksum)
-            return size
-        with self._translated(key, "write"):
-            rest = itertools.chain(drain(head), parts)
-            return self._transfers.upload(key, rest, part_size=self._opts.part_size)
+        return self._writes.write(self._key(path), chunks)
 
     def create(self, path: str, data: bytes) -> None:
         self._transfers.settle()

@@ -1,0 +1,64 @@
+"""One file written to S3: one PutObject, or a parallel multipart upload, chosen as it streams.
+
+A save hands the backend a file as chunks, its length unknown in advance. The chunks are cut
+into parts (:func:`.s3_transfer.split`) and held until ``multipart_threshold`` bytes have come:
+a file that ends by then goes up in one PutObject (its last piece may run
+``s3_options.tail`` bytes past the threshold), anything longer streams, the held parts first,
+into a multipart upload (:mod:`.s3_multipart`) with a CRC32C per part. A single PUT holds
+one of the transfers' slots while it runs, as a part does, so ``max_concurrency`` bounds both.
+
+A single PUT's CRC32C is not computed twice: chunks that counted it on the way for the
+manifest (:class:`~.checksummed.Crc32cChunks`) hand it over, and the PUT's ``ChecksumCRC32C``
+carries it, so the file's bytes are read once for both.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+
+from ckptstore.backends.base import Chunk
+from ckptstore.backends.checksummed import Crc32cChunks
+from ckptstore.backends.s3_errors import Translator
+from ckptstore.backends.s3_options import MAX_SINGLE_PUT, S3Options, tail
+from ckptstore.backends.s3_progress import Progress
+from ckptstore.backends.s3_transfer import Transfers, drain, split
+
+
+class FileWrites:
+    """How one S3 backend writes a whole file (``S3Backend.write``); errors are translated
+    once, here, like every request of the backend (s3_errors.py)."""
+
+    def __init__(self, transfers: Transfers, opts: S3Options, errors: Translator) -> None:
+        self._transfers = transfers
+        self._opts = opts
+        self._errors = errors
+
+    def write(self, key: str, chunks: Iterable[Chunk]) -> int:
+        """Write ``chunks`` to ``key``: one PutObject below ``multipart_threshold``, else a
+        parallel multipart upload; the bytes written."""
+        transfers, name = self._transfers, self._transfers.name(key)
+        parts = split(chunks, self._opts.part_size)
+        head: deque[bytearray] = deque()
+        size, part_size, threshold = 0, self._opts.part_size, self._opts.multipart_threshold
+        single = min(threshold + tail(part_size), MAX_SINGLE_PUT)  # the most one PUT takes
+        for part in parts:
+            head.append(part)
+            size += len(part)
+            # a whole part means more bytes follow (split cuts one only then); a last piece
+            # may run ``tail`` bytes past the threshold and still go up in one PUT
+            if size >= threshold and (len(part) == part_size or size > single):
+                break
+        else:
+            body = head[0] if len(head) == 1 else b"".join(head)
+            # the whole file in one PUT: the CRC32C its chunks carry is the body's
+            crc = chunks.whole(size) if isinstance(chunks, Crc32cChunks) else None
+            checksum = transfers.part_checksum(body, crc) if crc is not None else {}
+            progress = Progress(name, "write")
+            with self._errors.translated(name, "write"), transfers.slot(progress):
+                transfers.put(key, body, **checksum)  # a PUT holds a slot, as a part does
+            return size
+        with self._errors.translated(name, "write"):
+            rest = itertools.chain(drain(head), parts)
+            return transfers.upload(key, rest, part_size=self._opts.part_size)
