@@ -21,11 +21,11 @@ is the whole integration, run by this module's entry point (docs/verl.md)::
 * **Resume** (``resume_mode=auto``): before verl loads, rank 0 picks the step (the store's
   latest, falling back past steps that fail verification, unless every rank's local copy is at
   least as new), every rank pulls its own files of it, verified, and one rank per node the
-  shared ones; then each node's tracker names the step and verl's own ``load_checkpoint``
-  loads model, optimizer, lr scheduler, RNG and dataloader states from it. A step saved on
-  another world size is pulled whole by each node's leader and resharded for this job first
-  (verl_reshard: the SFT step's top level is its role folder, its ``data_D.pt`` rewritten for
-  the new data-parallel size).
+  shared ones (verl_sft_pull.py); then each node's tracker names the step and verl's own
+  ``load_checkpoint`` loads model, optimizer, lr scheduler, RNG and dataloader states from it.
+  A step saved on another world size is pulled whole by each node's leader and resharded for
+  this job first (verl_reshard: the SFT step's top level is its role folder, its ``data_D.pt``
+  rewritten for the new data-parallel size).
 
 The ``trainer.ckptstore`` keys are the PPO integration's (verl_config.py): retention, the
 writer lease (rank 0 holds it), ``persist_every``, a ``local`` tier, timeouts,
@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,7 +49,6 @@ from verl.utils.checkpoint import CheckpointHandler, OrchestrationMode
 from verl.utils.device import auto_set_device
 from verl.utils.distributed import destroy_global_process_group, initialize_global_process_group
 
-from ckptstore.backends.fsutil import temp_name
 from ckptstore.core.collectives import Collectives
 from ckptstore.core.reports import describe
 from ckptstore.core.resolver import VERIFY_ERRORS
@@ -70,13 +68,8 @@ from ckptstore.errors import (
 from ckptstore.integrations.distributed import save_coordinated
 from ckptstore.integrations.verl_config import SECTION, FailedSaves, VerlStoreConfig
 from ckptstore.integrations.verl_nodes import NodeAgent
-from ckptstore.integrations.verl_reshard import reshard_dir
-from ckptstore.integrations.verl_sft_files import (
-    RankFiles,
-    check_sft_complete,
-    include_patterns,
-    saved_world_size,
-)
+from ckptstore.integrations.verl_sft_files import RankFiles, check_sft_complete, saved_world_size
+from ckptstore.integrations.verl_sft_pull import SFTPulls
 from ckptstore.integrations.verl_steps import assign_files
 from ckptstore.store import CheckpointStore
 
@@ -137,6 +130,14 @@ class StoreCheckpointHandler(CheckpointHandler):
         shared files and writes the tracker there."""
         self.store = self._open()
         self.agent = NodeAgent(str(self.local_dir), self.store.uri, store=self.store)
+        self.pulls = SFTPulls(
+            self.store,
+            self.agent,
+            self.files,
+            leader=self.comm.rank == self.node_leader,
+            data_ranks=len(self.data_files),
+        )
+        """This rank's files of the step it resumes from, pulled onto its disk."""
         self._saves_since = 0
         self._failures = FailedSaves(
             "verl SFT saves", self.store.uri, self.settings.max_failed_saves
@@ -250,21 +251,10 @@ class StoreCheckpointHandler(CheckpointHandler):
             self.resumed = self._pull_for_resume()
         return int(super().load_checkpoint())  # type: ignore[no-untyped-call]
 
-    def _local_step(self) -> int | None:
-        """The step this rank's tracker names, if this rank's own files of it are there."""
-        step = self.agent.tracked_step()
-        if step is None:
-            return None
-        root = self.agent.step_dir(step)
-        mine = [f"model_world_size_{self.comm.size}_rank_{self.comm.rank}.pt"]
-        if self.files.data_file is not None:
-            mine.append(self.files.data_file)
-        return step if all((root / name).is_file() for name in mine) else None
-
     def _pull_for_resume(self) -> int | None:
         """Pull the step to resume from onto every rank and name it in each node's tracker;
         the step pulled, or None when verl resumes from its local copy or starts afresh."""
-        views = self.comm.all_gather(self._local_step())
+        views = self.comm.all_gather(self.pulls.local_step())
         local = views[0] if len(set(views)) == 1 else None  # a copy every rank holds
         search = self.store.resolver.search(None, fallback=True) if self.comm.rank == 0 else None
         while True:
@@ -289,7 +279,7 @@ class StoreCheckpointHandler(CheckpointHandler):
                 )
             status: tuple[str, str] | None = None
             try:
-                self._pull(offer)
+                self.pulls.pull(offer)
             except VERIFY_ERRORS as e:
                 status = ("corrupt", describe(e))
             except Exception as e:  # sent, not raised: every rank reaches every collective
@@ -338,57 +328,6 @@ class StoreCheckpointHandler(CheckpointHandler):
             return info
         except Exception as e:  # sent to every rank, which raises it
             return e if isinstance(e, CheckpointError) else CheckpointError(describe(e))
-
-    def _pull(self, info: CheckpointInfo) -> None:
-        """Download this rank's files of ``info`` (and the shared ones, on the node's leader)
-        into ``global_step_N``, each verified: first into a directory of this rank's own, so
-        ranks that share a node pull side by side. A step saved on another world size is
-        pulled whole by each node's leader and resharded for this job (verl's engine loads
-        only its own world size's files)."""
-        leader = self.comm.rank == self.node_leader
-        saved = saved_world_size(f.path for f in info.files)
-        if saved != self.comm.size:
-            if leader:
-                self._pull_resharded(info, saved)
-            return
-        paths = self.files.pulls((f.path for f in info.files), shared=leader)
-        if not paths:
-            return
-        self.local_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.local_dir / temp_name(f"pull-{info.step}-rank-{self.comm.rank}")
-        try:
-            self.store.pull_dir(
-                tmp, step=info.step, fallback=False, exclude="*", include=include_patterns(paths)
-            )
-            target = self.agent.step_dir(info.step)
-            for path in paths:
-                (target / path).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(tmp / path, target / path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    def _pull_resharded(self, info: CheckpointInfo, saved: int | None) -> None:
-        """Node leader: the whole step, verified, resharded for this job's ranks and data
-        files (verl_reshard) into ``global_step_N``, which appears only once complete."""
-        self.local_dir.mkdir(parents=True, exist_ok=True)
-        pulled = self.local_dir / temp_name(f"pull-{info.step}-whole")
-        resharded = self.local_dir / temp_name(f"reshard-{info.step}")
-        aside = self.local_dir / temp_name(f"old-{info.step}")
-        try:
-            self.store.pull_dir(pulled, step=info.step, fallback=False)
-            reshard_dir(pulled, resharded, self.comm.size, data_ranks=len(self.data_files))
-            target = self.agent.step_dir(info.step)
-            if target.exists():
-                os.replace(target, aside)
-            os.replace(resharded, target)
-            log.warning(
-                "ckptstore: step %d of %s was saved on %s ranks; resharded for this job's %d. "
-                "Model and optimizer state are exact; RNG states are those of rank r mod %s",
-                info.step, self.store.uri, saved, self.comm.size, saved,
-            )  # fmt: skip
-        finally:
-            for tmp in (pulled, resharded, aside):
-                shutil.rmtree(tmp, ignore_errors=True)
 
     def close(self) -> None:
         """Release the writer lease and let a local tier's due steps reach the store."""
