@@ -32,7 +32,8 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from ckptstore.domain.layout import check_attempt, check_relpath, payload_path
@@ -176,6 +177,12 @@ class Manifest:
         raise KeyError(path)
 
     def encode(self) -> bytes:
+        return self._encoded
+
+    @cached_property
+    def _encoded(self) -> bytes:
+        """Encoded once per manifest (it is immutable): a commit writes it and indexes its
+        digest, a listing digests every manifest it reads."""
         return json.dumps(self._body(), indent=1, sort_keys=True, allow_nan=False).encode()
 
     def signed_bytes(self) -> bytes:
@@ -185,8 +192,9 @@ class Manifest:
         return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
     def _body(self) -> dict[str, Any]:
-        body = asdict(self)
-        body["files"] = [asdict(f) for f in self.files]
+        body = {name: getattr(self, name) for name in _MANIFEST_FIELDS}
+        body["environment"] = asdict(self.environment)
+        body["files"] = [{name: getattr(f, name) for name in _FILE_FIELDS} for f in self.files]
         body["metadata"] = dict(self.metadata)
         if self.files_by_key is not None:
             body["files_by_key"] = {k: list(v) for k, v in self.files_by_key.items()}
@@ -252,6 +260,11 @@ class Manifest:
             ) from e
         except (TypeError, KeyError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from e
+
+
+_MANIFEST_FIELDS = tuple(f.name for f in fields(Manifest))
+_FILE_FIELDS = tuple(f.name for f in fields(FileEntry))
+"""What :meth:`Manifest._body` copies: a manifest's fields, and each file's (all flat values)."""
 
 
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
