@@ -21,7 +21,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -317,14 +316,29 @@ def _mtime(path: str) -> float | None:
 
 
 def _remove_empty_dirs(start: Path, *, stop: Path) -> None:
-    """Remove ``start`` and its parents up to (not including) ``stop`` while they are empty."""
+    """Remove ``start`` and its parents up to (not including) ``stop`` while they are empty.
+
+    Other processes may work in the same directories (the ranks of a node deleting one step
+    of their node's tier, a writer creating a file): a directory already gone is passed over,
+    and one that gains a file after it was seen empty stays (``rmdir``, never a recursive
+    removal that would take the newcomer with it)."""
     current = start
     while current != stop and stop in current.parents:
-        names = os.listdir(current) if current.exists() else []
+        try:
+            names = os.listdir(current)
+        except FileNotFoundError:  # another process removed it
+            names = []
+        if any(not name.startswith(LOCK_PREFIX) for name in names):
+            return
         for name in names:  # a lock file alone does not keep a directory alive
-            if not name.startswith(LOCK_PREFIX):
-                return
-        shutil.rmtree(current, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(current / name)
+        try:
+            os.rmdir(current)
+        except FileNotFoundError:
+            pass
+        except OSError:  # not empty (a file arrived since), or not ours to remove
+            return
         current = current.parent
 
 
