@@ -156,6 +156,127 @@ def test_loads_without_read_ahead_hints_read_the_same(
     assert same(store.load(1), state())
 
 
+# -- local: cold pieces straight from the disk (local_reads.py) -------------------------------
+
+MiB = 1 << 20
+
+
+def evicted(path: Path, start: int = 0, length: int = 0) -> Path:
+    """``path`` durable and out of the page cache (``start``/``length``: only that range)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return path
+
+
+def cached(path: Path, at: int) -> bool:
+    """Whether the page cache holds the page of ``path`` at ``at`` (a read that cannot wait;
+    a miss reads that one page, advised random, and no read-ahead window)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return os.preadv(fd, [bytearray(4096)], at, os.RWF_NOWAIT) > 0
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def page_aligned(size: int) -> memoryview:
+    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+
+
+@pytest.fixture
+def cold_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, bytes]:
+    """A 4 MiB + 123 bytes file (four 1 MiB pieces and a short one), out of the page cache,
+    where the filesystem reads past it (else the test has nothing to check here)."""
+    if not hasattr(os, "O_DIRECT") or not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no O_DIRECT or RWF_NOWAIT on this platform: every read is buffered")
+    monkeypatch.setattr(local, "READ_CHUNK", MiB)
+    data = os.urandom(4 * MiB + 123)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT: every read is buffered")
+    if cached(evicted(path), 3 * MiB + 8192):  # not a piece's first page: no probe of ours
+        pytest.skip(f"{tmp_path}'s filesystem keeps pages cached after DONTNEED")
+    return path, data
+
+
+def test_a_cold_file_lands_whole_and_in_order_without_filling_the_page_cache(
+    cold_file: tuple[Path, bytes],
+) -> None:
+    path, data = cold_file
+    out, pieces = page_aligned(len(data)), bytearray()
+    size = LocalBackend(str(path.parent), {}).read_into_chunks("f", out, pieces.extend)
+    assert size == len(data) and bytes(out) == data and bytes(pieces) == data
+    assert not any(cached(path, at) for at in (MiB // 2, 2 * MiB + 5000, 4 * MiB - 4096))
+
+
+def test_only_the_pieces_the_cache_lacks_are_read_past_it(
+    cold_file: tuple[Path, bytes],
+) -> None:
+    path, data = cold_file
+    path.read_bytes()  # all cached, then piece 2 (bytes 1-2 MiB) evicted again
+    evicted(path, MiB, MiB)
+    out = page_aligned(len(data))
+    assert LocalBackend(str(path.parent), {}).read_into_chunks("f", out, lambda _: None)
+    assert bytes(out) == data
+    assert not cached(path, MiB + 8192)  # read direct: the cache still lacks it
+    assert cached(path, 3 * MiB)
+
+
+def test_a_buffer_off_the_page_boundary_is_filled_through_the_cache(
+    cold_file: tuple[Path, bytes],
+) -> None:
+    path, data = cold_file
+    out = memoryview(bytearray(len(data) + 1))[1:]  # O_DIRECT would refuse it
+    assert LocalBackend(str(path.parent), {}).read_into_chunks("f", out, lambda _: None)
+    assert bytes(out) == data and cached(path, 2 * MiB)
+
+
+def test_a_cold_file_shorter_than_its_buffer_reports_its_true_size(
+    cold_file: tuple[Path, bytes],
+) -> None:
+    path, data = cold_file
+    out = page_aligned(len(data) + 3 * MiB + 7)
+    assert LocalBackend(str(path.parent), {}).read_into_chunks("f", out, lambda _: None) == len(
+        data
+    )
+    assert bytes(out[: len(data)]) == data
+
+
+def test_a_flipped_byte_in_a_cold_shard_is_corruption_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local, "READ_CHUNK", MiB)
+    gen = torch.Generator().manual_seed(3)
+    saved = {"model": {f"w{i}": torch.rand(700_000, generator=gen) for i in range(3)}}
+    with CheckpointStore(str(tmp_path / "store"), lease=False) as store:
+        store.save(1, saved)
+        entry = max(store.info(1).files, key=lambda f: f.size)
+        file = Path(store.backend.uri) / entry.key(1)
+        for f in file.parent.iterdir():
+            evicted(f)
+        got = store.load(1)  # cold, read past the cache: every byte as saved
+        assert all(torch.equal(got["model"][k], saved["model"][k]) for k in saved["model"])
+        fd = os.open(file, os.O_RDWR)
+        try:
+            at = entry.size // 2 + 1
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
+        finally:
+            os.close(fd)
+        evicted(file)
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as caught:
+            store.load(1)
+        assert entry.path in str(caught.value) and "step 1" in str(caught.value)
+
+
 # -- S3: bodies read straight into the destination -------------------------------------------
 
 
