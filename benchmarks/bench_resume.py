@@ -108,13 +108,6 @@ def local_rows(root: Path, state: State, conc: int) -> list[Row]:
             lambda: raw_read(files, 8 * MiB, conc),
             cold,
         ),
-        Row(
-            "local load",
-            f"raw O_DIRECT preadv of the same {len(files)} files, one thread each",
-            "limit",
-            lambda: raw_read(files, None, conc, direct=True),
-            cold,
-        ),
     ]
 
 
@@ -303,13 +296,6 @@ def main() -> None:
                 "limit",
                 lambda: None,
                 seconds=slowest("raw readers"),
-            ),
-            Row(
-                f"load_distributed, {world} ranks",
-                f"{world} raw O_DIRECT readers of the same files at once",
-                "limit",
-                lambda: None,
-                seconds=slowest("raw direct readers"),
             ),
         ]
     )

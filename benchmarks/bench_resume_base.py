@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import os
 import socket
 import statistics
@@ -130,28 +129,17 @@ class Row:
         return statistics.median(self.seconds) if self.seconds else float("nan")
 
 
-def raw_read(
-    files: list[Path], piece: int | None, conc: int, *, direct: bool = False
-) -> list[torch.Tensor]:
-    """``files`` read into fresh buffers by ``conc`` threads (whole files, or pieces); with
-    ``direct``, by ``O_DIRECT`` into page-aligned buffers (the page cache left out: DMA from
-    the disk into the buffer, no copy), each read's length rounded up to a whole page."""
+def raw_read(files: list[Path], piece: int | None, conc: int) -> list[torch.Tensor]:
+    """``files`` read into fresh buffers by ``conc`` threads (whole files, or pieces)."""
     sizes = {p: p.stat().st_size for p in files}
-    if direct:
-        out = {p: _page_aligned(s) for p, s in sizes.items()}
-    else:
-        out = {p: torch.empty(s, dtype=torch.uint8) for p, s in sizes.items()}
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    fds = {p: os.open(p, flags) for p in files}
+    out = {p: torch.empty(s, dtype=torch.uint8) for p, s in sizes.items()}
+    fds = {p: os.open(p, os.O_RDONLY) for p in files}
 
     def one(task: tuple[Path, int, int]) -> None:
         path, a, b = task
         view = memoryview(out[path].numpy())
         while a < b:
-            end = min(b, a + 64 * MiB)
-            if direct:  # a whole page at the end (past the file's end: a short read)
-                end = min(len(view), -(-end // PAGE) * PAGE)
-            n = os.preadv(fds[path], [view[a:end]], a)
+            n = os.preadv(fds[path], [view[a : min(b, a + 64 * MiB)]], a)
             if not n:
                 raise AssertionError(f"{path}: ended early")
             a += n
@@ -163,14 +151,4 @@ def raw_read(
     finally:
         for fd in fds.values():
             os.close(fd)
-    return [t[: sizes[p]] for p, t in out.items()]
-
-
-PAGE = 4096
-
-
-def _page_aligned(size: int) -> torch.Tensor:
-    """A buffer of ``size`` bytes rounded up to whole pages, starting on a page (mmap)."""
-    rounded = max(PAGE, -(-size // PAGE) * PAGE)
-    memory = mmap.mmap(-1, rounded, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=torch.uint8)
+    return list(out.values())

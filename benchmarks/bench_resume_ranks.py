@@ -123,7 +123,6 @@ def rank_rounds(
     def readers() -> None:
         files = _own_files(root, rank)
         timed("raw readers", lambda: raw_read(files, None, conc))
-        timed("raw direct readers", lambda: raw_read(files, None, conc, direct=True))
 
     def copy() -> None:
         # node 0 holds node 1's files as peer copies: read them (cold), send, write and fsync
