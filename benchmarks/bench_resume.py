@@ -108,6 +108,13 @@ def local_rows(root: Path, state: State, conc: int) -> list[Row]:
             lambda: raw_read(files, 8 * MiB, conc),
             cold,
         ),
+        Row(
+            "local load",
+            "raw preadv of the same files, 1 MiB pieces in order, one thread each",
+            "limit",
+            lambda: raw_read(files, MiB, conc, in_order=True),
+            cold,
+        ),
     ]
 
 
@@ -296,6 +303,13 @@ def main() -> None:
                 "limit",
                 lambda: None,
                 seconds=slowest("raw readers"),
+            ),
+            Row(
+                f"load_distributed, {world} ranks",
+                f"{world} raw readers of the same files at once, 1 MiB pieces in order",
+                "limit",
+                lambda: None,
+                seconds=slowest("raw readers, 1 MiB pieces"),
             ),
         ]
     )
