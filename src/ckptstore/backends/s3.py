@@ -125,6 +125,13 @@ class S3Backend(BaseBackend):
         return self._opts.max_concurrency
 
     @property
+    def sends_whole_up_to(self) -> int:
+        """``split`` hands out no piece of a file this size or smaller before its last chunk
+        was taken: until then ``write`` has sent nothing (its PUT, or a multipart upload)."""
+        part_size = self._opts.part_size
+        return part_size + tail(part_size)
+
+    @property
     def client(self) -> Any:
         """The boto3 client this backend sends with: ``meta`` shows its region, endpoint and
         retry config, ``meta.events`` takes botocore hooks (a request counter, say)."""
