@@ -7,6 +7,7 @@ directory); the multi-rank loads that take these reads run in test_tiers_distrib
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,14 +24,14 @@ def state(n: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> CheckpointStore:
-    opened = CheckpointStore(
+def store(tmp_path: Path) -> Iterator[CheckpointStore]:
+    with CheckpointStore(
         str(tmp_path / "durable"), local=str(tmp_path / "local"), persist_every=1, lease=False
-    )
-    for step in (1, 2):
-        opened.save(step, state(step))
-    opened.wait()
-    return opened
+    ) as opened:
+        for step in (1, 2):
+            opened.save(step, state(step))
+        opened.wait()
+        yield opened
 
 
 def test_the_step_the_local_tier_names_is_read_early_and_taken_once(
@@ -60,6 +61,7 @@ def test_another_step_or_another_entry_is_read_as_usual(store: CheckpointStore) 
     early = EarlyReads(store.tiers, named, [path])
     try:
         assert early.take(store.info(1), path) is None  # the offer is another step
+        assert early.take(named, path) is None  # and the early reads were dropped for it
     finally:
         early.close()
     entry = named.manifest.file(path)

@@ -10,6 +10,10 @@ file read early only if the offered step lists the very same entry for it (path,
 CRC32C, SHA-256 and attempt): its bytes then passed the offered manifest's checks. Any other
 offer, or an early read that failed, and the file is read as without early reads, with their
 fallbacks and errors; an early read nobody takes is left to finish and its buffer dropped.
+Where the offer is another step (another node held a newer one, or this node's newest is a
+fenced writer's), the reads not begun are cancelled at once; those under way end and free
+their buffers while the offered step is read, so until then a rank holds up to twice its
+share of the state.
 """
 
 from __future__ import annotations
@@ -40,8 +44,11 @@ class EarlyReads:
     def take(self, offer: CheckpointInfo, path: str) -> memoryview | None:
         """``path``'s verified bytes if read early for the entry ``offer`` lists, else None
         (then read it as usual). Each file is handed out once."""
+        if offer.step != self.info.step:
+            self.close()  # none of them is wanted: none begins now, and their memory goes
+            return None
         future = self._reads.pop(path, None)
-        if future is None or offer.step != self.info.step:
+        if future is None:
             return None
         try:
             if offer.manifest.file(path) != self.info.manifest.file(path):
