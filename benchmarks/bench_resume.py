@@ -263,56 +263,53 @@ def main() -> None:
     rank_total = nbytes(state_of(per_rank, args.tensors // world))  # one node's share
 
     def slowest(name: str) -> list[float]:
-        return [max(r[name][i] for r in ranks) for i in range(args.rounds)]
+        return [max(r[name][i] for r in ranks) for i in range(args.rounds)] if ranks else []
 
-    rank_rows = (
-        []
-        if not ranks
-        else [
-            Row(
-                "peer recovery (node 1 wiped)",
-                "ckptstore recovery from the peer (disk to disk)",
-                "ckptstore",
-                lambda: None,
-                seconds=slowest("peer recovery"),
-            ),
-            Row(
-                "peer recovery (node 1 wiped)",
-                "raw gloo send/recv of the same bytes (memory)",
-                "line",
-                lambda: None,
-                seconds=slowest("raw gloo send"),
-            ),
-            Row(
-                "peer recovery (node 1 wiped)",
-                "raw copy: cold read, gloo send/recv, write + fsync of the same files",
-                "limit",
-                lambda: None,
-                seconds=slowest("raw disk-to-disk copy"),
-            ),
-            Row(
-                f"load_distributed, {world} ranks",
-                "ckptstore load_distributed (verified)",
-                "ckptstore",
-                lambda: None,
-                seconds=slowest("load_distributed"),
-            ),
-            Row(
-                f"load_distributed, {world} ranks",
-                f"{world} raw readers of the same files at once",
-                "limit",
-                lambda: None,
-                seconds=slowest("raw readers"),
-            ),
-            Row(
-                f"load_distributed, {world} ranks",
-                f"{world} raw readers of the same files at once, 1 MiB pieces in order",
-                "limit",
-                lambda: None,
-                seconds=slowest("raw readers, 1 MiB pieces"),
-            ),
-        ]
-    )
+    rank_rows = [
+        Row(
+            "peer recovery (node 1 wiped)",
+            "ckptstore recovery from the peer (disk to disk)",
+            "ckptstore",
+            lambda: None,
+            seconds=slowest("peer recovery"),
+        ),
+        Row(
+            "peer recovery (node 1 wiped)",
+            "raw gloo send/recv of the same bytes (memory)",
+            "line",
+            lambda: None,
+            seconds=slowest("raw gloo send"),
+        ),
+        Row(
+            "peer recovery (node 1 wiped)",
+            "raw copy: cold read, gloo send/recv, write + fsync of the same files",
+            "limit",
+            lambda: None,
+            seconds=slowest("raw disk-to-disk copy"),
+        ),
+        Row(
+            f"load_distributed, {world} ranks",
+            "ckptstore load_distributed (verified)",
+            "ckptstore",
+            lambda: None,
+            seconds=slowest("load_distributed"),
+        ),
+        Row(
+            f"load_distributed, {world} ranks",
+            f"{world} raw readers of the same files at once",
+            "limit",
+            lambda: None,
+            seconds=slowest("raw readers"),
+        ),
+        Row(
+            f"load_distributed, {world} ranks",
+            f"{world} raw readers of the same files at once, 1 MiB pieces in order",
+            "limit",
+            lambda: None,
+            seconds=slowest("raw readers, 1 MiB pieces"),
+        ),
+    ]
+    rank_rows = [r for r in rank_rows if r.seconds]  # none without the ranks (--only)
     out = report(rows, rank_rows, total, rank_total, args)
     if not ranks:
         print(f"notes: {json.dumps(notes)}")
