@@ -72,6 +72,9 @@ from ckptstore.domain import layout
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from ranks import run_ranks  # tests/ranks.py: gloo ranks forked from a server
 
+PARTS = ("s3", "local", "ranks")
+"""The benchmark's parts: the S3 rows, the local load's, those on 2 gloo ranks."""
+
 
 def local_rows(root: Path, state: State, conc: int) -> list[Row]:
     """ckptstore's local load beside raw parallel reads of the same files."""
@@ -103,6 +106,13 @@ def local_rows(root: Path, state: State, conc: int) -> list[Row]:
             f"raw preadv of the same files, 8 MiB pieces x{conc}",
             "limit",
             lambda: raw_read(files, 8 * MiB, conc),
+            cold,
+        ),
+        Row(
+            "local load",
+            "raw preadv of the same files, 1 MiB pieces in order, one thread each",
+            "limit",
+            lambda: raw_read(files, MiB, conc, in_order=True),
             cold,
         ),
     ]
@@ -195,7 +205,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 MiB, 16 tensors, one round")
     parser.add_argument("--json", type=Path, help="write every run of every row here")
     parser.add_argument("--rank-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--only",
+        choices=PARTS,
+        action="append",
+        help="run only this part's rows (repeat for several; default: all), for A/B runs",
+    )
     args = parser.parse_args()
+    only = set(args.only or PARTS)
     if args.quick:
         args.size_mb, args.tensors, args.rounds = 4, 16, 1
     logging.getLogger("ckptstore").setLevel(logging.ERROR)
@@ -221,29 +238,32 @@ def main() -> None:
     state = state_of(args.size_mb, args.tensors)
     total = nbytes(state)
     notes: dict[str, Any] = {}
+    world = 2
+    per_rank = args.size_mb / world
+    ranks: list[dict[str, list[float]]] = []
     with Server() as server, tempfile.TemporaryDirectory() as tmp:
-        rows = s3_rows(server, state, args, notes) + local_rows(Path(tmp), state, args.concurrency)
+        rows = s3_rows(server, state, args, notes) if "s3" in only else []
+        rows += local_rows(Path(tmp), state, args.concurrency) if "local" in only else []
         log(f"setup done: {len(rows)} rows")
         run_rounds(rows, args.rounds, not args.quick, log)
-        world = 2
-        per_rank = args.size_mb / world
-        ranks = run_ranks(
-            rank_rounds,
-            world,
-            Path(tmp) / "launch",
-            per_rank,
-            args.tensors // world,
-            args.rounds,
-            Path(tmp) / "tiers",
-            server.options(),
-            args.concurrency,
-            not args.quick,
-            timeout=args.rank_timeout,
-        )
+        if "ranks" in only:
+            ranks = run_ranks(
+                rank_rounds,
+                world,
+                Path(tmp) / "launch",
+                per_rank,
+                args.tensors // world,
+                args.rounds,
+                Path(tmp) / "tiers",
+                server.options(),
+                args.concurrency,
+                not args.quick,
+                timeout=args.rank_timeout,
+            )
     rank_total = nbytes(state_of(per_rank, args.tensors // world))  # one node's share
 
     def slowest(name: str) -> list[float]:
-        return [max(r[name][i] for r in ranks) for i in range(args.rounds)]
+        return [max(r[name][i] for r in ranks) for i in range(args.rounds)] if ranks else []
 
     rank_rows = [
         Row(
@@ -281,8 +301,21 @@ def main() -> None:
             lambda: None,
             seconds=slowest("raw readers"),
         ),
+        Row(
+            f"load_distributed, {world} ranks",
+            f"{world} raw readers of the same files at once, 1 MiB pieces in order",
+            "limit",
+            lambda: None,
+            seconds=slowest("raw readers, 1 MiB pieces"),
+        ),
     ]
+    rank_rows = [r for r in rank_rows if r.seconds]  # none without the ranks (--only)
     out = report(rows, rank_rows, total, rank_total, args)
+    if not ranks:
+        print(f"notes: {json.dumps(notes)}")
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1))
+        return
     peer, bucket = (
         statistics.median(slowest("resume from peer")),
         statistics.median(slowest("resume from bucket")),

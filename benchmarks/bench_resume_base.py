@@ -129,22 +129,28 @@ class Row:
         return statistics.median(self.seconds) if self.seconds else float("nan")
 
 
-def raw_read(files: list[Path], piece: int | None, conc: int) -> list[torch.Tensor]:
-    """``files`` read into fresh buffers by ``conc`` threads (whole files, or pieces)."""
+def raw_read(
+    files: list[Path], piece: int | None, conc: int, *, in_order: bool = False
+) -> list[torch.Tensor]:
+    """``files`` read into fresh buffers by ``conc`` threads (whole files, or pieces); with
+    ``in_order``, each file by one thread, front to back, one ``piece`` per call."""
     sizes = {p: p.stat().st_size for p in files}
     out = {p: torch.empty(s, dtype=torch.uint8) for p, s in sizes.items()}
     fds = {p: os.open(p, os.O_RDONLY) for p in files}
+
+    call = piece if in_order and piece else 64 * MiB
 
     def one(task: tuple[Path, int, int]) -> None:
         path, a, b = task
         view = memoryview(out[path].numpy())
         while a < b:
-            n = os.preadv(fds[path], [view[a : min(b, a + 64 * MiB)]], a)
+            n = os.preadv(fds[path], [view[a : min(b, a + call)]], a)
             if not n:
                 raise AssertionError(f"{path}: ended early")
             a += n
 
-    tasks = [(p, a, b) for p, s in sizes.items() for a, b in cuts(s, piece or max(s, 1))]
+    cut = None if in_order else piece
+    tasks = [(p, a, b) for p, s in sizes.items() for a, b in cuts(s, cut or max(s, 1))]
     try:
         with ThreadPoolExecutor(min(conc, len(tasks))) as pool:
             list(pool.map(one, tasks))

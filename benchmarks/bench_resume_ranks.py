@@ -123,6 +123,7 @@ def rank_rounds(
     def readers() -> None:
         files = _own_files(root, rank)
         timed("raw readers", lambda: raw_read(files, None, conc))
+        timed("raw readers, 1 MiB pieces", lambda: raw_read(files, MiB, conc, in_order=True))
 
     def copy() -> None:
         # node 0 holds node 1's files as peer copies: read them (cold), send, write and fsync

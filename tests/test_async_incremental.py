@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore
+from ckptstore.data.serialize import Shard
+from ckptstore.domain import layout
 from faults import FaultyBackend, InjectedFault
 from keys import file_key
 
@@ -127,3 +129,45 @@ def test_a_changed_file_of_equal_size_is_uploaded(store: CheckpointStore) -> Non
     assert store.backend.read(file_key(store, 2, "ref-00000.safetensors")) != (
         store.backend.read(file_key(store, 1, "ref-00000.safetensors"))
     )
+
+
+@pytest.mark.parametrize("where", ["s3", "dir"])
+def test_a_shard_is_compared_with_the_previous_step_on_its_way_into_the_request(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """On S3 a shard goes up in one PUT, held whole before any byte is sent: whether it
+    equals the previous step's file is checked as its bytes pass into the request (one pass
+    over the tensors), and an unchanged one is still copied server-side with nothing sent and
+    nothing left behind. A local store writes as the bytes come, so it compares first (two
+    passes over a changed file, one over an unchanged one)."""
+    if where == "s3":
+        uri, options = request.getfixturevalue("s3_uri"), request.getfixturevalue("s3_options")
+    else:
+        uri, options = str(tmp_path / "store"), {}
+    passes: list[str] = []
+    real = Shard.chunks
+
+    def counting(self: Shard) -> Any:
+        passes.append(self.path)
+        return real(self)
+
+    monkeypatch.setattr(Shard, "chunks", counting)
+    frozen = {"w": torch.randn(256, 256)}
+    with CheckpointStore(uri, storage_options=options) as store:
+        store.save(1, {"ref": frozen, "model": model_state(1)["model"]})
+        passes.clear()
+        info = store.save(2, {"ref": frozen, "model": model_state(2)["model"]})
+        by_path = {f.path: f for f in info.files}
+        assert by_path["ref-00000.safetensors"].copied_from == 1
+        assert by_path["model-00000.safetensors"].copied_from is None
+        changed = 1 if where == "s3" else 2  # a local store reads it to compare, then to write
+        model, ref = "model-00000.safetensors", "ref-00000.safetensors"
+        assert sorted(passes) == [model] * changed + [ref]
+        loaded = store.load(2)
+        assert torch.equal(loaded["ref"]["w"], frozen["w"])
+        assert torch.equal(loaded["model"]["w"], model_state(2)["model"]["w"])
+        keys = {o.path for o in store.backend.list(layout.step_dir(2) + "/")}
+        listed = {f.key(2) for f in info.files}
+        assert listed <= keys and all(
+            k.endswith((layout.MANIFEST_NAME, layout.ATTEMPT_MARKER)) for k in keys - listed
+        )

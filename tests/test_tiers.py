@@ -6,6 +6,7 @@ never drops a step before it is durable (invariant 17)."""
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from ckptstore import CheckpointStore, ConfigError, CorruptCheckpointError
 from ckptstore.cli.main import run as cli_run
 from ckptstore.domain import layout
+from ckptstore.domain.step_index import HEAD_NAME
 from faults import FaultyBackend, Gate, InjectedFault
 from keys import file_key
 
@@ -179,6 +181,35 @@ def test_a_load_from_the_local_tier_reads_the_durable_pointer_once_and_no_durabl
         assert store.last_loaded is not None and store.last_loaded.uri.startswith(local)
     assert reads.count(layout.LATEST_NAME) == 1, reads
     assert not [r for r in reads if r.endswith(layout.MANIFEST_NAME)], reads
+
+
+def test_a_load_reads_the_durable_pointer_and_step_index_head_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding latest in a store with tiers needs the durable pointer (its fences) and the
+    durable step index's head (steps past the pointer): two round trips on a bucket, which
+    a load waited for one after the other. The pointer's read here waits for the head's to
+    begin: it begins on a thread of its own meanwhile, or the wait times out."""
+    uri, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with CheckpointStore(uri, local=local, persist_every=1) as store:
+        for step in (1, 2):
+            store.save(step, state(step))
+    with CheckpointStore(uri, local=local) as store:
+        backend = store.resolver.catalog.backend
+        real = backend.read_versioned
+        head_begun, overlapped = threading.Event(), []
+
+        def read_versioned(path: str) -> tuple[bytes, str]:
+            if path == HEAD_NAME:
+                head_begun.set()
+            elif path == layout.LATEST_NAME:
+                overlapped.append(head_begun.wait(5))
+            return real(path)
+
+        monkeypatch.setattr(backend, "read_versioned", read_versioned)
+        loaded = store.load(with_info=True)
+        assert loaded.step == 2 and same(loaded.state, state(2))
+    assert overlapped == [True]
 
 
 def test_a_primed_search_raises_its_error_at_the_offer_not_before(tmp_path: Path) -> None:

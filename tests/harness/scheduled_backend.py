@@ -66,6 +66,10 @@ class ScheduledBackend:
     def parallel_writes(self) -> int:
         return 1
 
+    @property
+    def sends_whole_up_to(self) -> int:
+        return 0  # a write stores as it goes: a save compares with the previous step first
+
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         def apply() -> tuple[tuple[bytes, str], Effects]:
             found = self._get(path)

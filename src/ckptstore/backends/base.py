@@ -152,6 +152,15 @@ class Backend(Protocol):
         that only stages payload never writes conditionally and must not pay for a probe."""
         ...
 
+    @property
+    def sends_whole_up_to(self) -> int:
+        """Files up to this size are taken whole by ``write`` before any byte is stored or
+        sent (one request); 0 where ``write`` streams them out at once. An error raised by
+        the chunks of such a file, even as the last was taken, then leaves nothing behind: a
+        save checks whether a file equals the previous step's as its bytes pass, instead of
+        reading them once more for that alone (commit.py)."""
+        ...
+
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         """The whole object and a version token for ``swap``."""
         ...
@@ -297,6 +306,11 @@ class BaseBackend(abc.ABC):
     def parallel_writes(self) -> int:
         """``capabilities.parallel_writes``: override where asking that would probe."""
         return self.capabilities.parallel_writes
+
+    @property
+    def sends_whole_up_to(self) -> int:
+        """None by default: ``write`` may store the first chunk before the last is taken."""
+        return 0
 
     def copy(self, src: str, dst: str) -> None:
         """Read the whole object, write it again: override where objects are large."""

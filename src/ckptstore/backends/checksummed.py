@@ -5,7 +5,9 @@ the same CRC32C in the header of the request that carries them (``ChecksumCRC32C
 server checks against what it received. Where one request carries a whole file (a single
 PutObject), the two are the same number: :class:`Crc32cChunks` computes it as the chunks pass,
 and a backend that sent every chunk in one request takes :attr:`Crc32cChunks.value` instead of
-reading the bytes a second time. A backend that does not look at it loses nothing.
+reading the bytes a second time. A backend that does not look at it loses nothing. The same
+count also tells a save whether the file equals the previous step's (commit.py's
+``_UnlessSame``), where the backend holds it whole before sending (``sends_whole_up_to``).
 """
 
 from __future__ import annotations

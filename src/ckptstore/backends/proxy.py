@@ -50,6 +50,10 @@ class BackendProxy:
     def parallel_writes(self) -> int:
         return self.inner.parallel_writes
 
+    @property
+    def sends_whole_up_to(self) -> int:
+        return self.inner.sends_whole_up_to
+
     def read_versioned(self, path: str) -> tuple[bytes, str]:
         return self.inner.read_versioned(path)
 

@@ -124,6 +124,10 @@ class S3Backend(BaseBackend):
         return self._opts.max_concurrency
 
     @property
+    def sends_whole_up_to(self) -> int:
+        return self._writes.held_whole_up_to
+
+    @property
     def client(self) -> Any:
         """The boto3 client this backend sends with: ``meta`` shows its region, endpoint and
         retry config, ``meta.events`` takes botocore hooks (a request counter, say)."""

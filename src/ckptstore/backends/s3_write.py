@@ -35,6 +35,13 @@ class FileWrites:
         self._opts = opts
         self._errors = errors
 
+    @property
+    def held_whole_up_to(self) -> int:
+        """The largest file :meth:`write` holds whole before it sends any of it: ``split``
+        hands out no piece of a file this size or smaller before its last chunk was taken,
+        and until then nothing is sent (neither its PUT nor a multipart upload)."""
+        return self._opts.part_size + tail(self._opts.part_size)
+
     def write(self, key: str, chunks: Iterable[Chunk]) -> int:
         """Write ``chunks`` to ``key``: one PutObject below ``multipart_threshold``, else a
         parallel multipart upload; the bytes written."""

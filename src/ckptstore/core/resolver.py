@@ -32,14 +32,16 @@ import builtins
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from ckptstore.core.refusal import refusal
 from ckptstore.core.search import Search
-from ckptstore.deadline import Deadline, bounded, within
+from ckptstore.deadline import Deadline, bounded, submit, within
 from ckptstore.domain import layout
 from ckptstore.domain.info import CheckpointInfo
+from ckptstore.domain.step_index import Head
 from ckptstore.errors import (
     CheckpointError,
     CompatibilityError,
@@ -90,6 +92,7 @@ class Resolver:
         """Tiers in front of it, fastest first (a local tier)."""
         self._pin = False
         self._pinned: tuple[Pointer | None] | CorruptCheckpointError | None = None
+        self._head: Future[tuple[Head | None, str | None]] | None = None
 
     def pinned(self) -> Resolver:
         """A copy for one resolution that reads the durable pointer once: its fences judge
@@ -157,6 +160,7 @@ class Resolver:
         docstring); ``None`` only when no tier holds a committed step at all."""
         if not self._pin:
             return self.pinned().latest()
+        self._read_head_ahead()
         best: CheckpointInfo | None = None
         refused: CheckpointError | None = None
         for catalog in self.tiers:
@@ -174,6 +178,28 @@ class Resolver:
         if best is None and refused is not None:
             raise refused
         return best
+
+    def _read_head_ahead(self) -> None:
+        """In a store with tiers, start reading the durable tier's step index head on a
+        thread while this one reads the pointers: latest needs both (:meth:`committed_after`),
+        and on a bucket each is a request's round trip, which were waited for one after the
+        other. Either order of the two reads is as good: a step committed between them is
+        found by the later one, or left for the next load, as if the load had begun earlier.
+        """
+        if not self.faster or self._head is not None:
+            return
+        pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-resolve")
+        try:
+            self._head = submit(pool, self.catalog.index.read_head)  # under the load's deadline
+        finally:
+            pool.shutdown(wait=False)
+
+    def _durable_head(self, catalog: Catalog) -> Future[tuple[Head | None, str | None]] | None:
+        """The head read ahead for ``catalog`` (the durable tier's), taken once."""
+        if catalog is not self.catalog:
+            return None
+        ahead, self._head = self._head, None
+        return ahead
 
     def latest_in(self, catalog: Catalog, *, above: int | None = None) -> CheckpointInfo | None:
         """The newest committed step of one tier, judged by the durable pointer's fences.
@@ -228,7 +254,7 @@ class Resolver:
         catalog = catalog if catalog is not None else self.catalog
         fences = self._fences(catalog, pointer)
         step = pointer.step if pointer is not None and pointer.step is not None else -1
-        for newer in reversed(newer_steps(catalog, step)):
+        for newer in reversed(newer_steps(catalog, step, self._durable_head(catalog))):
             try:
                 info = catalog.info(newer)
             except NotFoundError:
@@ -342,11 +368,16 @@ class Resolver:
         return [i.step for i in chosen if fenced(pointer, i)]
 
 
-def newer_steps(catalog: Catalog, step: int) -> builtins.list[int]:
-    """Steps above ``step`` that may be committed: from the step index's head (one GET)
-    where it knows them all, else from one listing of step directories."""
+def newer_steps(
+    catalog: Catalog,
+    step: int,
+    ahead: Future[tuple[Head | None, str | None]] | None = None,
+) -> builtins.list[int]:
+    """Steps above ``step`` that may be committed: from the step index's head (one GET, or
+    the one read ``ahead``) where it knows them all, else from one listing of step
+    directories."""
     try:
-        head, _ = catalog.index.read_head()
+        head, _ = ahead.result() if ahead is not None else catalog.index.read_head()
     except CorruptCheckpointError:
         head = None
     known = head.steps_after(step) if head is not None else None

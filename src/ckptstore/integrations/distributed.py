@@ -59,6 +59,7 @@ from ckptstore.errors import (
     ErrorContext,
     IncompleteCheckpointError,
 )
+from ckptstore.integrations.early_reads import EarlyReads
 
 if TYPE_CHECKING:
     from ckptstore.store import CheckpointStore
@@ -308,6 +309,25 @@ def _load(
     store: CheckpointStore, comm: Collectives, step: int | None, fallback: bool, allow_pickle: bool
 ) -> Any:
     tiers = store.tiers
+    # this rank's files of the step its node's local tier names, read while the ranks agree
+    named = tiers.named_here(step) if tiers is not None else None
+    early = EarlyReads(tiers, named, _paths_of(named, comm.rank)) if tiers and named else None
+    try:
+        return _agree_and_read(store, comm, step, fallback, allow_pickle, early)
+    finally:
+        if early is not None:
+            early.close()
+
+
+def _agree_and_read(
+    store: CheckpointStore,
+    comm: Collectives,
+    step: int | None,
+    fallback: bool,
+    allow_pickle: bool,
+    early: EarlyReads | None,
+) -> Any:
+    tiers = store.tiers
     search = store.resolver.search(step, fallback=fallback) if comm.rank == 0 else None
     if tiers is not None:  # a node that kept a newer step than rank 0's offers it too
         if search is not None:  # rank 0 finds latest (its own tier's too) meanwhile
@@ -330,7 +350,7 @@ def _load(
         try:
             if tiers is not None and store.options.replicas:
                 tiers.recover_from_peer(_peer_comm(comm), offer, _paths_of(offer, comm.rank))
-            state = _read_rank(store, offer, comm.rank, allow_pickle)
+            state = _read_rank(store, offer, comm.rank, allow_pickle, early)
         except VERIFY_ERRORS as e:
             local_error, status = e, ("corrupt", describe(e))
         except Exception as e:
@@ -396,14 +416,22 @@ def _paths_of(info: CheckpointInfo, rank: int) -> list[str]:
     return [f.path for f in info.files if f.path.startswith(prefix)]
 
 
-def _read_rank(store: CheckpointStore, info: CheckpointInfo, rank: int, allow_pickle: bool) -> Any:
+def _read_rank(
+    store: CheckpointStore,
+    info: CheckpointInfo,
+    rank: int,
+    allow_pickle: bool,
+    early: EarlyReads | None = None,
+) -> Any:
     """Read and verify this rank's files (several at once; with a local tier, the local
-    copies where good), then decode them."""
+    copies where good; those read ``early`` for the same entries taken from there), then
+    decode them."""
     prefix = rank_dir(rank) + "/"
     mine = _paths_of(info, rank)
 
     def read(path: str) -> memoryview:
-        return store.read_file(info, path)
+        taken = early.take(info, path) if early is not None else None
+        return taken if taken is not None else store.read_file(info, path)
 
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-read") as pool:
         data = dict(zip(mine, map_in_context(pool, read, mine), strict=True))

@@ -258,6 +258,25 @@ class Persister(PersistQueue):
             log.warning("%s: the local tier offers no step: %s", self.local.uri, e)
             return None
 
+    def named_here(self, step: int | None = None) -> CheckpointInfo | None:
+        """``step`` (default: the one this node's local tier's pointer names) as the local
+        tier holds it, judged by nothing else (no durable read): the step a load will most
+        likely be offered, whose files it may begin reading before the offer (distributed.py).
+        None where the local tier has no such committed step or cannot read it."""
+        catalog = self.local.catalog
+        try:
+            if step is None:
+                pointer = catalog.pointer_or_none()
+                step = pointer.step if pointer is not None else None
+            return catalog.info(step) if step is not None else None
+        except CheckpointError:
+            return None
+
+    def read_here(self, info: CheckpointInfo, path: str) -> memoryview:
+        """One file of ``info``'s step from this node's local tier only, verified against
+        ``info``'s manifest entry."""
+        return self.local.catalog.read_file(info, path)
+
     def join(self, manifest: Manifest) -> None:
         """A step another rank committed: commit it in this node's local tier too."""
         self.node.join(manifest)
