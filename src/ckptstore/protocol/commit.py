@@ -16,20 +16,17 @@ manifests as the truth and ``latest`` as a fast path (catalog.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from ckptstore.backends.base import Backend, Chunk
-from ckptstore.backends.checksummed import Crc32cChunks
+from ckptstore.backends.base import Backend
 from ckptstore.data.payload import Progress, SourceFile
 from ckptstore.deadline import clean_up, map_in_context
 from ckptstore.domain import layout
-from ckptstore.domain.checksum import Crc32c
 from ckptstore.domain.manifest import (
     FileEntry,
     Manifest,
@@ -53,6 +50,7 @@ from ckptstore.errors import (
 )
 from ckptstore.protocol.cas import BACKOFF, swap_loop
 from ckptstore.protocol.catalog import Catalog
+from ckptstore.protocol.payload_files import PayloadFiles
 from ckptstore.protocol.pointer import Pointer
 from ckptstore.protocol.removal import Remover
 from ckptstore.retry import Retry
@@ -117,42 +115,13 @@ class Committer:
         for source in sources:
             layout.check_relpath(source.path, where=f"step {step}")
         reuse = Previous.of(previous) if isinstance(previous, Manifest) else previous
-        from_step = reuse.step if reuse is not None else None
-        earlier = {f.path: f for f in reuse.files} if reuse is not None else {}
         attempt = self.begin_attempt(step, epoch, save=save)
 
-        def write_one(source: SourceFile) -> FileEntry:
-            path = layout.payload_path(step, source.path, attempt)
-            old = earlier.get(source.path)
-            if from_step is None or old is None or old.size != source.size:
-                old = None  # nothing to copy it from: it is written
-            elif self.digests and old.sha256 is None:
-                old = None  # a signed store matches by SHA-256, which the entry lacks
-            elif old.size > self.backend.sends_whole_up_to:  # a pass of its own first
-                if self._same_bytes(source, old):
-                    return self._copy(old, from_step, path, attempt, progress)
-                old = None
-            sha = hashlib.sha256() if self.digests else None
-            chunks = source.chunks() if sha is None else _digested(source.chunks(), sha)
-            # the manifest's CRC32C, counted as the bytes pass; a backend that sends the file
-            # in one request uses it as the request's checksum (backends/checksummed.py).
-            # With ``old``, the backend holds the whole file before it sends any of it: the
-            # last chunk raises _Unchanged instead, where the bytes are ``old``'s, and the
-            # file is copied from there
-            passing = _reporting(chunks, progress) if progress else chunks
-            counted = Crc32cChunks(passing) if old is None else _UnlessSame(passing, old, sha)
-            try:
-                size = self.backend.write(path, counted)
-            except _Unchanged:
-                assert old is not None and from_step is not None
-                return self._copy(old, from_step, path, attempt, None)  # progress had its bytes
-            digest = sha.hexdigest() if sha is not None else None
-            return FileEntry(source.path, size, f"{counted.value:08x}", None, attempt, digest)
-
+        files_of = PayloadFiles(self.backend, step, attempt, reuse, self.digests, progress)
         workers = max(1, min(self.backend.parallel_writes, len(sources)))
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-write") as pool:
-                return map_in_context(pool, write_one, sources)  # under the save's deadline
+                return map_in_context(pool, files_of.write, sources)  # under the save's deadline
         except BaseException:
             what = f"the files of {self.catalog.uri(layout.step_dir(step))}'s failed attempt"
             clean_up(lambda: self.remover.discard_attempts(step, {attempt}), what)
@@ -167,31 +136,6 @@ class Committer:
         marker |= {"started": self.clock()} | ({"save": save} if save is not None else {})
         self.backend.write(layout.attempt_marker_path(step, attempt), [json.dumps(marker).encode()])
         return attempt
-
-    def _copy(
-        self,
-        old: FileEntry,
-        from_step: int,
-        path: str,
-        attempt: str,
-        progress: Progress | None,
-    ) -> FileEntry:
-        """``old``'s file copied into this step (server-side on S3, a hard link locally)."""
-        self.backend.copy(old.key(from_step), path)
-        if progress:
-            progress(old.size)
-        return FileEntry(old.path, old.size, old.crc32c, from_step, attempt, old.sha256)
-
-    def _same_bytes(self, source: SourceFile, old: FileEntry) -> bool:
-        """Whether ``source`` holds the bytes ``old`` lists (by SHA-256 when digests are on)."""
-        if self.digests and old.sha256 is None:
-            return False
-        crc, sha = Crc32c(), hashlib.sha256() if self.digests else None
-        for _ in _hashed(source.chunks(), crc, sha):
-            pass
-        if sha is not None:
-            return sha.hexdigest() == old.sha256
-        return crc.hexdigest() == old.crc32c
 
     def confirm_payload(self, step: int, entries: Iterable[FileEntry]) -> None:
         """One listing proves every file is in place before the commit marker is written."""
@@ -386,50 +330,3 @@ class Committer:
 def _raced(e: Exception) -> bool:
     """A create-only write or a compare-and-swap lost to a change of the key: look again."""
     return isinstance(e, (ObjectExistsError, PreconditionFailedError))
-
-
-class _Unchanged(Exception):
-    """Raised by a file's chunks as the last is taken: its bytes are the previous step's."""
-
-
-class _UnlessSame(Crc32cChunks):
-    """:class:`Crc32cChunks` that, once every chunk was taken, raises :class:`_Unchanged`
-    where size, CRC32C and SHA-256 (``sha``, fed as the chunks pass, when digests are on)
-    equal ``old``'s: the check that would otherwise read the file a first time, on the one
-    pass that also copies it into the request."""
-
-    def __init__(self, chunks: Iterable[Chunk], old: FileEntry, sha: hashlib._Hash | None) -> None:
-        super().__init__(chunks)
-        self.old, self.sha = old, sha
-
-    def __next__(self) -> Chunk:
-        try:
-            return super().__next__()
-        except StopIteration:
-            old = self.old
-            same = self.size == old.size and f"{self.value:08x}" == old.crc32c
-            if same and (self.sha is None or self.sha.hexdigest() == old.sha256):
-                raise _Unchanged from None
-            raise
-
-
-def _hashed(chunks: Iterable[Chunk], crc: Crc32c, sha: hashlib._Hash | None) -> Iterator[Chunk]:
-    """Pass ``chunks`` through, updating the checksums with each."""
-    for chunk in chunks:
-        crc.update(chunk)
-        if sha is not None:
-            sha.update(chunk)
-        yield chunk
-
-
-def _digested(chunks: Iterable[Chunk], sha: hashlib._Hash) -> Iterator[Chunk]:
-    """Pass ``chunks`` through, updating the SHA-256 with each."""
-    for chunk in chunks:
-        sha.update(chunk)
-        yield chunk
-
-
-def _reporting(chunks: Iterable[Chunk], progress: Progress) -> Iterator[Chunk]:
-    for chunk in chunks:
-        yield chunk
-        progress(len(chunk) if not isinstance(chunk, memoryview) else chunk.nbytes)
