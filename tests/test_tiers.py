@@ -158,16 +158,22 @@ def test_a_corrupt_local_copy_falls_back_to_the_durable_copy_of_the_same_step(
     assert "trying the next copy" in caplog.text
 
 
+def _two_steps_in_both_tiers(tmp_path: Path) -> tuple[str, str]:
+    """A durable store and its local tier, steps 1 and 2 committed in both: their URIs."""
+    uri, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with CheckpointStore(uri, local=local, persist_every=1) as store:
+        for step in (1, 2):
+            store.save(step, state(step))
+    return uri, local
+
+
 def test_a_load_from_the_local_tier_reads_the_durable_pointer_once_and_no_durable_manifest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each read of the durable tier is a GET on a bucket: a load's fixed cost. Its pointer
     (whose fences judge both tiers) is read once per load, and the manifest of a step the
     local tier holds too is not read there."""
-    uri, local = str(tmp_path / "durable"), str(tmp_path / "local")
-    with CheckpointStore(uri, local=local, persist_every=1) as store:
-        for step in (1, 2):
-            store.save(step, state(step))
+    uri, local = _two_steps_in_both_tiers(tmp_path)
     with CheckpointStore(uri, local=local) as store:
         backend = store.resolver.catalog.backend
         reads: list[str] = []
@@ -190,10 +196,7 @@ def test_a_load_reads_the_durable_pointer_and_step_index_head_at_once(
     durable step index's head (steps past the pointer): two round trips on a bucket, which
     a load waited for one after the other. The pointer's read here waits for the head's to
     begin: it begins on a thread of its own meanwhile, or the wait times out."""
-    uri, local = str(tmp_path / "durable"), str(tmp_path / "local")
-    with CheckpointStore(uri, local=local, persist_every=1) as store:
-        for step in (1, 2):
-            store.save(step, state(step))
+    uri, local = _two_steps_in_both_tiers(tmp_path)
     with CheckpointStore(uri, local=local) as store:
         backend = store.resolver.catalog.backend
         real = backend.read_versioned
