@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from ckptstore.errors import CheckpointError, ConfigError
+from ckptstore.integrations.failed_saves import FailedSaves
 from ckptstore.integrations.preemption import PreemptionSignals
 from ckptstore.integrations.training_state import (
     Stateful,
@@ -111,8 +112,12 @@ class CheckpointCallback:
         _check_positive("max_failed_saves", max_failed_saves, "saves", int)
         self.store = store
         self.max_failed_saves = max_failed_saves
-        self.failed_saves = 0
-        """Saves that failed in a row (reset by a save that commits)."""
+        self._failures = FailedSaves(
+            store.uri,
+            max_failed_saves,
+            headline="saves in a row failed",
+            hint="ckptstore verify, the endpoint, credentials, free space",
+        )
         self._in_flight: SaveHandle[CheckpointInfo] | None = None
         self.save_freq = save_freq
         self.save_interval_seconds = save_interval_seconds
@@ -247,6 +252,11 @@ class CheckpointCallback:
         self._saved(step)
         return handle
 
+    @property
+    def failed_saves(self) -> int:
+        """Saves that failed in a row (reset by a save that commits)."""
+        return self._failures.count
+
     def _hear_of_the_save_in_flight(self) -> None:
         """How the last background save ended: counted if it failed (module docstring)."""
         handle, self._in_flight = self._in_flight, None
@@ -255,29 +265,9 @@ class CheckpointCallback:
         try:
             handle.wait()
         except CheckpointError as e:
-            self._failed(handle.step, e)
+            self._failures.failed(handle.step, e)
         else:
-            self.failed_saves = 0
-
-    def _failed(self, step: int, error: CheckpointError) -> None:
-        self.failed_saves += 1
-        log.error(
-            "%s: the save of step %d failed (%d in a row; training goes on, and stops after "
-            "%d): %s",
-            self.store.uri,
-            step,
-            self.failed_saves,
-            self.max_failed_saves,
-            error,
-        )
-        if self.failed_saves >= self.max_failed_saves:
-            raise CheckpointError(
-                f"{self.store.uri}: {self.failed_saves} saves in a row failed, the last one of "
-                f"step {step}: {error}. Stopping, so the scheduler sees it: check the storage "
-                "(ckptstore verify, the endpoint, credentials, free space)",
-                uri=self.store.uri,
-                step=step,
-            ) from error
+            self._failures.succeeded()
 
     def _sync(
         self, step: int, objects: _Objects, metrics: Mapping[str, Any] | None, reason: str
@@ -288,11 +278,11 @@ class CheckpointCallback:
             # the last save reaches the durable tier, whatever persist_every says
             info = self.store.save(step, state, meta, persist=last)
         except CheckpointError as e:
-            self._failed(step, e)
+            self._failures.failed(step, e)
             if last:
                 raise  # the last save of the run: nothing comes after to make up for it
             return None
-        self.failed_saves = 0
+        self._failures.succeeded()
         self._saved(step)
         return info
 

@@ -51,10 +51,10 @@ from ckptstore.errors import (
     ConfigError,
     DistributedCheckpointError,
 )
+from ckptstore.integrations.failed_saves import FailedSaves
 from ckptstore.integrations.verl_config import (
     SECTION,
     UPLOAD_MODES,
-    FailedSaves,
     VerlRun,
     VerlStoreConfig,
 )
@@ -122,7 +122,12 @@ class CkptstoreCallback:
         self._replace: set[int] = set()
         self._saves_since = 0
         """verl saves since the last one committed to the store (``persist_every``)."""
-        self._failures = FailedSaves("verl saves", self.store.uri, self.settings.max_failed_saves)
+        self._failures = FailedSaves(
+            self.store.uri,
+            self.settings.max_failed_saves,
+            headline="verl saves in a row could not be committed",
+            hint=f"endpoint, credentials, {SECTION}.save_timeout",
+        )
         self.store.hold_lease()  # fail now, not at the first save hours later
         self.resume = Resume(None, "disabled")
         if self.settings.resume and not (resume_at_load or _RESUME_AT_LOAD.get()):

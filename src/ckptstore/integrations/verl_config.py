@@ -8,18 +8,15 @@ access and ``Mapping`` are used, so reading the config needs neither omegaconf n
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.errors import CheckpointError, ConfigError
+from ckptstore.errors import ConfigError
 from ckptstore.options import VERL, StoreOptions
 from ckptstore.store import CheckpointStore
 from ckptstore.tiers.local import PersistPolicy
-
-log = logging.getLogger(__name__)
 
 SECTION = "trainer.ckptstore"
 UPLOAD_MODES = ("auto", "driver", "per_node")
@@ -176,44 +173,6 @@ class VerlRun:
             world_size=nodes * gpus if isinstance(nodes, int) and isinstance(gpus, int) else None,
             names={k: trainer(k) for k in ("project_name", "experiment_name")},
         )
-
-
-class FailedSaves:
-    """Saves that could not be committed, in a row: each is logged and training goes on;
-    ``max_failed_saves`` in a row raise, so the job stops and the scheduler sees it (the rule
-    both verl faces keep: the checkpoint callback and the SFT handler)."""
-
-    def __init__(self, what: str, uri: str, limit: int) -> None:
-        self.what = what
-        """``verl saves``, ``verl SFT saves``: the saves named in the error."""
-        self.uri = uri
-        self.limit = limit
-        self.count = 0
-
-    def succeeded(self) -> None:
-        self.count = 0
-
-    def failed(self, step: int, error: CheckpointError, *, log_it: bool = True) -> None:
-        """Count one; raise once ``limit`` are in a row. ``log_it``: one rank says it."""
-        self.count += 1
-        if log_it:
-            log.error(
-                "ckptstore: step %d was not committed to %s (%d failure(s) in a row; "
-                "training goes on, and stops after %d): %s",
-                step,
-                self.uri,
-                self.count,
-                self.limit,
-                error,
-            )
-        if self.count >= self.limit:
-            raise CheckpointError(
-                f"{self.uri}: {self.count} {self.what} in a row could not be committed, the "
-                f"last one step {step}: {error}. Stopping, so the scheduler sees it: check the "
-                f"storage (endpoint, credentials, {SECTION}.save_timeout)",
-                uri=self.uri,
-                step=step,
-            ) from error
 
 
 def config_get(config: Any, path: str, default: Any = None) -> Any:

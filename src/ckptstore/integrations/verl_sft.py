@@ -66,7 +66,8 @@ from ckptstore.errors import (
     NotFoundError,
 )
 from ckptstore.integrations.distributed import save_coordinated
-from ckptstore.integrations.verl_config import SECTION, FailedSaves, VerlStoreConfig
+from ckptstore.integrations.failed_saves import FailedSaves
+from ckptstore.integrations.verl_config import SECTION, VerlStoreConfig
 from ckptstore.integrations.verl_nodes import NodeAgent
 from ckptstore.integrations.verl_sft_files import RankFiles, check_sft_complete, saved_world_size
 from ckptstore.integrations.verl_sft_pull import SFTPulls
@@ -140,7 +141,10 @@ class StoreCheckpointHandler(CheckpointHandler):
         """This rank's files of the step it resumes from, pulled onto its disk."""
         self._saves_since = 0
         self._failures = FailedSaves(
-            "verl SFT saves", self.store.uri, self.settings.max_failed_saves
+            self.store.uri,
+            self.settings.max_failed_saves,
+            headline="verl SFT saves in a row could not be committed",
+            hint=f"endpoint, credentials, {SECTION}.save_timeout",
         )
         self.resumed: int | None = None
         """The store's step this job pulled to resume from, if it did."""
