@@ -195,7 +195,8 @@ def test_a_load_reads_the_durable_pointer_and_step_index_head_at_once(
     """Finding latest in a store with tiers needs the durable pointer (its fences) and the
     durable step index's head (steps past the pointer): two round trips on a bucket, which
     a load waited for one after the other. The pointer's read here waits for the head's to
-    begin: it begins on a thread of its own meanwhile, or the wait times out."""
+    begin: it begins on a thread of its own meanwhile, or the wait times out (30 s: a loaded
+    machine may start a thread late, never that late)."""
     uri, local = _two_steps_in_both_tiers(tmp_path)
     with CheckpointStore(uri, local=local) as store:
         backend = store.resolver.catalog.backend
@@ -206,7 +207,7 @@ def test_a_load_reads_the_durable_pointer_and_step_index_head_at_once(
             if path == HEAD_NAME:
                 head_begun.set()
             elif path == layout.LATEST_NAME:
-                overlapped.append(head_begun.wait(5))
+                overlapped.append(head_begun.wait(30))  # never, where read one after the other
             return real(path)
 
         monkeypatch.setattr(backend, "read_versioned", read_versioned)
