@@ -125,6 +125,8 @@ class FaultProxy:
         """Requests seen so far, by rotating access key (with ``key_lifetime``)."""
         self.expired: Counter[str] = Counter()
         """Requests answered ExpiredToken so far, by S3 operation."""
+        self.revoked: set[str] = set()
+        """Rotating keys refused whatever their age (:meth:`expire_keys`)."""
         self.stopping = threading.Event()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -200,9 +202,16 @@ class FaultProxy:
         with self._lock:
             self.body_bytes[op] += size
 
+    def expire_keys(self) -> None:
+        """Every rotating key seen so far expires now, whatever ``key_lifetime`` says: an
+        expiry at a point of the test's choosing, which a slow machine cannot move. Keys
+        issued later are judged by their age as before."""
+        with self._lock:
+            self.revoked.update(self.keys)
+
     def refuses(self, op: str, authorization: str) -> bool:
         """Whether a request of ``op`` signed as ``authorization`` says is refused as expired
-        (``key_lifetime``); counted."""
+        (``key_lifetime``, :meth:`expire_keys`); counted."""
         if self.key_lifetime is None:
             return False
         key = key_of(authorization)
@@ -211,7 +220,7 @@ class FaultProxy:
             return False
         with self._lock:
             self.keys[key] += 1
-            if time.time() - issued <= self.key_lifetime:
+            if key not in self.revoked and time.time() - issued <= self.key_lifetime:
                 return False
             self.expired[op] += 1
             return True
