@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ProfileNotFound
 
+from ckptstore.backends.s3_session import new_session
 from ckptstore.errors import ConfigError
 
 MiB = 1 << 20
@@ -227,7 +227,7 @@ class S3Options:
     def client(self, uri: str) -> Any:
         """A boto3 S3 client; boto3 resolves whatever was not set (env vars, profiles, roles)."""
         try:
-            session = boto3.session.Session(**self.session_kwargs)
+            session = new_session(**self.session_kwargs)
             return session.client("s3", config=self.config, **self.client_kwargs)
         except ProfileNotFound as e:
             name = e.kwargs.get("profile") or self.session_kwargs.get("profile_name")
