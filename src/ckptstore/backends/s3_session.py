@@ -5,9 +5,9 @@ region from the environment of the moment. Left alone, each new session also has
 read and parse S3's service model, endpoint rules and partitions again: a few MB of JSON,
 0.1-0.2 s of CPU per client, paid by every store, tier, replica and CLI command that opens
 one. Those files ship with botocore and never change while it runs, so one loader (botocore's
-``data_loader``, which caches what it parsed) serves every session. Only the data is shared:
-config files, credentials and settings stay per session. A process that changes
-``AWS_DATA_PATH`` after its first client keeps the model directories it started with.
+``data_loader``, which caches what it parsed) serves every session that searches the same
+model directories (``AWS_DATA_PATH`` may name more). Only the data is shared: config files,
+credentials and settings stay per session.
 """
 
 from __future__ import annotations
@@ -19,21 +19,19 @@ import boto3.session
 import botocore.session
 
 _lock = threading.Lock()
-_loader: Any = None
+_loaders: dict[tuple[str, ...], Any] = {}
 
 
 def new_session(**session_kwargs: Any) -> boto3.session.Session:
     """A fresh boto3 session (``session_kwargs`` as boto3's) reading models through the
-    process's one loader."""
-    global _loader
+    process's loader for the same model directories."""
     with _lock:  # botocore sessions and the loader's list of directories are not thread-safe
         core = botocore.session.get_session()
-        if _loader is None:
-            _loader = core.get_component("data_loader")
-        else:
-            core.register_component("data_loader", _loader)
+        fresh = core.get_component("data_loader")  # parses nothing until asked
+        loader = _loaders.setdefault(tuple(fresh.search_paths), fresh)
+        core.register_component("data_loader", loader)
         session = boto3.session.Session(botocore_session=core, **session_kwargs)
-        _drop_repeated_directories(_loader.search_paths)
+        _drop_repeated_directories(loader.search_paths)
         return session
 
 
