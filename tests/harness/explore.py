@@ -38,14 +38,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
+from ckptstore.domain.manifest import Manifest
 from ckptstore.protocol.lease_record import Process
 from harness.cleanup import Final, index_agrees, only_committed_left
 from harness.invariants import (
@@ -55,6 +57,7 @@ from harness.invariants import (
     Failure,
     Violation,
     check_tiers,
+    forget_decoded,
     in_local_tier,
     short,
     trace,
@@ -258,8 +261,11 @@ def _after_run(
 @contextlib.contextmanager
 def _exploring() -> Iterator[None]:
     """Inline thread pools; quiet logs (thousands of runs log their warnings); no report of a
-    killed actor's store failing to release its lease when it is collected; and this process
-    described once (each leased store and each gc would read ``/proc`` for the same answer)."""
+    killed actor's store failing to release its lease when it is collected; this process
+    described once (each leased store and each gc would read ``/proc`` for the same answer);
+    each manifest's bytes decoded once (:func:`_decoded_once`); and the objects alive before
+    the exploration (torch's modules among them) left out of the cyclic garbage collector's
+    passes, which the runs' many short-lived objects set off thousands of times."""
     logger = logging.getLogger("ckptstore")
     level, hook = logger.level, sys.unraisablehook
     this_process = Process.current()
@@ -271,12 +277,34 @@ def _exploring() -> Iterator[None]:
     logger.setLevel(logging.CRITICAL + 1)
     sys.unraisablehook = unraisable
     described = mock.patch.object(Process, "current", return_value=this_process)
+    decoded = mock.patch.object(Manifest, "decode", _decoded_once(Manifest.decode))
+    gc.collect()
+    gc.freeze()
     try:
-        with inline_thread_pools(), described:
+        with inline_thread_pools(), described, decoded:
             yield
     finally:
+        gc.unfreeze()
+        forget_decoded()
         logger.setLevel(level)
         sys.unraisablehook = hook
+
+
+def _decoded_once(decode: Callable[..., Manifest]) -> classmethod[Manifest, ..., Manifest]:
+    """``Manifest.decode`` remembering what each (bytes, where) decoded to: a manifest is
+    immutable and decoding is a pure function of its bytes, so every schedule's reads of the
+    same bytes get the same object, its canonical encoding (which a listing digests) computed
+    once. Errors (a tombstone, garbage) are raised afresh each time."""
+    known: dict[tuple[bytes, str], Manifest] = {}
+
+    def decode_once(cls: type[Manifest], data: bytes, *, where: str) -> Manifest:
+        key = (bytes(data), where)
+        found = known.get(key)
+        if found is None:
+            found = known[key] = decode(data, where=where)
+        return found
+
+    return classmethod(decode_once)
 
 
 def summary(results: Sequence[ScenarioResult]) -> str:

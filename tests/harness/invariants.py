@@ -135,6 +135,18 @@ class Failure:
         )
 
 
+_MANIFESTS: dict[bytes, Manifest | None] = {}
+_CRCS: dict[bytes, str] = {}
+"""What each object's bytes decode to, and their CRC32C: pure functions of the bytes, shared
+by every checker (a scenario's thousands of schedules write the same few objects again and
+again); :func:`forget_decoded` empties them between explorations."""
+
+
+def forget_decoded() -> None:
+    _MANIFESTS.clear()
+    _CRCS.clear()
+
+
 class Checker:
     """Watches one run's events; the first violation stops the run (``violation``)."""
 
@@ -156,8 +168,8 @@ class Checker:
         own) such a writer may have moved ``latest`` to its step: the pointer names it until
         the new holder commits over it (or a save repairs the pointer)."""
         self.violation: Violation | None = None
-        self._manifests: dict[bytes, Manifest | None] = {}
-        self._crcs: dict[int, str] = {}
+        self._manifests = _MANIFESTS
+        self._crcs = _CRCS
         self._listed: set[str] | None = None
         """Payload keys of committed steps, as of the last state check (None: none yet)."""
         self.lease = LeaseWatch()
@@ -316,11 +328,11 @@ class Checker:
             return "is missing"
         if len(stored.data) != entry.size:
             return f"holds {len(stored.data)} B, the manifest says {entry.size}"
-        crc = self._crcs.get(stored.version)
+        crc = self._crcs.get(stored.data)
         if crc is None:
             digest = Crc32c()
             digest.update(stored.data)
-            crc = self._crcs[stored.version] = digest.hexdigest()
+            crc = self._crcs[stored.data] = digest.hexdigest()
         if crc != entry.crc32c:
             return f"has CRC32C {crc}, the manifest says {entry.crc32c} (other bytes)"
         return None

@@ -130,7 +130,12 @@ class Scheduler:
     """
 
     def __init__(self) -> None:
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        """What the run waits on; each actor waits on a condition of its own over the same
+        lock, so a hand-over wakes only the thread that takes the turn (waking every thread at
+        every call, to find the one whose turn it is, cost more than the runs themselves)."""
+        self._wakers: dict[str, threading.Condition] = {}
         self.time = 0
         self.phase = "setup"
         """Who calls made outside :meth:`run` are recorded as."""
@@ -167,6 +172,7 @@ class Scheduler:
             self._choose, self._running = choose, True
             self._unstarted = {a.name: a for a in actors}
             self._pending = {a.name: "start" for a in actors}
+            self._wakers = {a.name: threading.Condition(self._lock) for a in actors}
             self._hand_over(None)
         try:
             self._wait(lambda: self.stopped or len(self._done) == len(self._pending))
@@ -175,7 +181,7 @@ class Scheduler:
                 self.stopped = self.stopped or len(self._done) < len(self._pending)
                 self._turn = None
                 self._done.update(self._unstarted)
-                self._cv.notify_all()
+                self._wake_all()
             self._wait(lambda: len(self._done) == len(self._pending))
             self._running = False
             self.phase = "after"
@@ -198,7 +204,7 @@ class Scheduler:
                 raise ExplorerError(f"{op} {paths} was called while no actor held the turn")
             self._pending[actor] = op
             self._hand_over(actor)
-            self._cv.wait_for(lambda: self._turn == actor or self.stopped)
+            self._wakers[actor].wait_for(lambda: self._turn == actor or self.stopped)
             if actor in self._crashed and not self.stopped:
                 self._record(Event(len(self.events), actor, op, paths, "killed", (), backend))
             self.ensure_alive()
@@ -230,7 +236,16 @@ class Scheduler:
                     self._record(Event(len(self.events), actor.name, "start", (), ""), tick=False)
                     _runners().submit(self._body, actor)
         if self._turn != last:
-            self._cv.notify_all()
+            if self._turn is None:  # the run ended or stopped: everyone looks
+                self._wake_all()
+            else:
+                self._wakers[self._turn].notify()
+
+    def _wake_all(self) -> None:
+        """Wake the run and every actor (under the lock)."""
+        self._cv.notify_all()
+        for waker in self._wakers.values():
+            waker.notify_all()
 
     def _enabled(self, name: str) -> bool:
         """Not ended, and (if not started) every actor it runs after has ended."""
@@ -298,7 +313,7 @@ class Scheduler:
             if self._turn == actor.name:
                 self._hand_over(actor.name)
             else:
-                self._cv.notify_all()
+                self._wake_all()
 
 
 def _check_order(actors: Sequence[Actor]) -> None:
