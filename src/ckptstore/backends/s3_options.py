@@ -11,12 +11,14 @@ import hashlib
 import ipaddress
 import json
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import boto3
+import botocore.session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ProfileNotFound
 
@@ -227,7 +229,7 @@ class S3Options:
     def client(self, uri: str) -> Any:
         """A boto3 S3 client; boto3 resolves whatever was not set (env vars, profiles, roles)."""
         try:
-            session = boto3.session.Session(**self.session_kwargs)
+            session = boto3.session.Session(botocore_session=_core_session(), **self.session_kwargs)
             return session.client("s3", config=self.config, **self.client_kwargs)
         except ProfileNotFound as e:
             name = e.kwargs.get("profile") or self.session_kwargs.get("profile_name")
@@ -240,6 +242,23 @@ class S3Options:
             ) from e
         except (BotoCoreError, TypeError, ValueError) as e:
             raise ConfigError(f"{uri}: cannot create an S3 client: {e}", uri=uri) from e
+
+
+_LOADERS: dict[tuple[str, ...], Any] = {}
+_LOADERS_LOCK = threading.Lock()
+
+
+def _core_session() -> botocore.session.Session:
+    """A new botocore session whose data loader (the JSON service models and endpoint rules,
+    parsed once and cached on the loader) is shared with every session that searches the same
+    data paths: each new session parsing them again cost about as much CPU as a save of a
+    small step, for every backend a process opens."""
+    core = botocore.session.get_session()
+    loader = core.get_component("data_loader")
+    with _LOADERS_LOCK:
+        shared = _LOADERS.setdefault(tuple(loader.search_paths), loader)
+    core.register_component("data_loader", shared)
+    return core
 
 
 def _int(uri: str, opts: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
