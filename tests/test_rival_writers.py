@@ -32,6 +32,7 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
 from ckptstore.domain.layout import LATEST_NAME
 from ckptstore.errors import CheckpointError, NotFoundError
+from ckptstore.protocol.lease import DEFAULT_TTL
 from ckptstore.protocol.pointer import Pointer
 from ranks import PRELOAD
 
@@ -57,6 +58,7 @@ def worker(job: dict[str, Any], events: Connection, gate: Connection) -> int:
         storage_options=job["options"],
         lease=job.get("lease", True),
         takeover=job.get("takeover", False),
+        lease_ttl=job.get("lease_ttl", DEFAULT_TTL),
     )
     say(writer=store.writer)
     steps = job["steps"]
@@ -251,8 +253,11 @@ def test_a_zombie_is_fenced_and_never_moves_latest_again(
 def test_a_second_cluster_is_refused_while_the_lease_is_live(
     where: tuple[str, dict[str, Any]], pointer_moves: list[Pointer]
 ) -> None:
+    """The second writer watches the first's lease record until its heartbeat (every
+    ``lease_ttl / 4``) renews it: a 20 s TTL refuses it after about 5 s, not 15, and still
+    leaves a loaded machine 20 s to run the first's heartbeat before it would look dead."""
     uri, options = where
-    first = Writer(uri=uri, options=options, steps=[1, 2], gate=True)
+    first = Writer(uri=uri, options=options, steps=[1, 2], gate=True, lease_ttl=20.0)
     first.wait_for(lambda events: any("saved" in e for e in events))
     second = Writer(uri=uri, options=options, steps="resume")
     second.finish()
