@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write every row's measurements here")
     p.add_argument("--tmpdir", type=Path, help="where local rows write (default: system temp)")
     p.add_argument("--row-timeout", type=float, default=1800, help="seconds per row")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: each raw limit times one setting"
+    )
     args = p.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     if not args.targets or set(args.targets) - {"local", "s3"}:
@@ -96,6 +99,14 @@ ROWS = multiprocessing.get_context("forkserver")
 methods) once: each row starts with no state, allocation or thread of another row, as in a new
 interpreter, without paying torch's import per row."""
 ROWS.set_forkserver_preload(["bench_worker"])
+
+
+def _preload_path() -> None:
+    """Put this folder and the source tree on the forkserver's import path. Python 3.11's
+    forkserver does not apply the parent's sys.path before its preload, whose ImportError it
+    swallows: without this every row imported torch and ckptstore again, seconds per row."""
+    paths = [str(HERE), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
 
 
 def _row_process(spec_path: str, result_path: str, env: dict[str, str], log_path: str) -> None:
@@ -169,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     base.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="ckptstore-bench-", dir=base))
     results: list[dict[str, Any]] = []
+    _preload_path()
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, scratch, ignore_errors=True)
         s3, client = start_s3(args, stack) if "s3" in args.targets else (None, None)
@@ -190,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 concurrency=args.concurrency,
                 s3=row_s3,
                 shard_size=args.shard_size_mb * MiB if args.shard_size_mb else None,
+                quick=args.quick,
             )
             print(f"[{n}/{len(rows)}] {row.target} {row.name} ...", file=sys.stderr, flush=True)
             env = child_env(row_s3, moto=not args.endpoint_url)

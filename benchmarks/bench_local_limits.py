@@ -40,10 +40,16 @@ def _label(config: Config) -> str:
     return "1 file, 1 call" if files >= WHOLE else f"{files // MiB} MiB files x {threads} threads"
 
 
-def _sweep(timed: Callable[[Config], float]) -> tuple[Config, dict[str, float]]:
-    """Two rounds, the faster of each setting's two times: the disk's speed swings widely."""
-    tried = {config: timed(config) for config in CONFIGS}
-    tried = {config: min(seconds, timed(config)) for config, seconds in tried.items()}
+def _configs(quick: bool) -> list[Config]:
+    return CONFIGS[:1] if quick else CONFIGS
+
+
+def _sweep(timed: Callable[[Config], float], quick: bool) -> tuple[Config, dict[str, float]]:
+    """Two rounds, the faster of each setting's two times: the disk's speed swings widely.
+    ``quick`` (a smoke run) times the first setting once."""
+    tried = {config: timed(config) for config in _configs(quick)}
+    if not quick:
+        tried = {config: min(seconds, timed(config)) for config, seconds in tried.items()}
     best = min(tried, key=tried.__getitem__)
     return best, {_label(c): round(s, 3) for c, s in tried.items()}
 
@@ -93,7 +99,7 @@ class RawWrite(Method):
 
     def setup(self, state: Any) -> None:
         self.flat = st.flat_bytes(state).numpy().data
-        self.best, sweep = _sweep(self._timed)
+        self.best, sweep = _sweep(self._timed, self.spec.quick)
         self.notes |= {"best": _label(self.best), "sweep": sweep}
 
     def _timed(self, config: Config) -> float:
@@ -115,10 +121,10 @@ class RawRead(Method):
     def setup(self, state: Any) -> None:
         flat = st.flat_bytes(state)
         self.crc, self.size = st.fingerprint(flat), flat.numel()
-        for config in CONFIGS:
+        for config in _configs(self.spec.quick):
             write_files(self._dir(config), flat.numpy().data, config)
         del flat
-        self.best, sweep = _sweep(self._timed)
+        self.best, sweep = _sweep(self._timed, self.spec.quick)
         self.notes |= {"best": _label(self.best), "sweep": sweep}
 
     def _dir(self, config: Config) -> Path:

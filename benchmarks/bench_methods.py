@@ -54,6 +54,8 @@ class Spec:
     s3: S3Target | None = None
     shard_size: int | None = None
     """ckptstore's shard_size; None keeps the library's default."""
+    quick: bool = False
+    """A smoke run: each raw limit times its first setting once instead of its sweep."""
 
 
 class Method:

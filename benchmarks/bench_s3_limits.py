@@ -45,12 +45,13 @@ def _label(config: Config) -> str:
 
 
 def _sweep(
-    timed: Callable[[Config], float], configs: list[Config]
+    timed: Callable[[Config], float], configs: list[Config], quick: bool
 ) -> tuple[Config, dict[str, float]]:
-    """Time each config once, then the best layout and size at other concurrencies."""
-    tried = {config: timed(config) for config in configs}
+    """Time each config once, then the best layout and size at other concurrencies; ``quick``
+    (a smoke run) times the first config alone."""
+    tried = {config: timed(config) for config in (configs[:1] if quick else configs)}
     objects, part, _ = min(tried, key=tried.__getitem__)
-    for concurrency in (4, 16):
+    for concurrency in () if quick else (4, 16):
         if (objects, part, concurrency) not in tried:
             tried[(objects, part, concurrency)] = timed((objects, part, concurrency))
     best = min(tried, key=tried.__getitem__)
@@ -66,7 +67,7 @@ class RawUpload(_Boto):
         part, conc = self.spec.part_size, self.spec.concurrency
         configs = [(WHOLE, part, conc), (WHOLE, 64 * MiB, conc), (128 * MiB, part, conc)]
         configs += [(32 * MiB, part, conc), (32 * MiB, 32 * MiB, conc)]
-        self.best, sweep = _sweep(self._timed, configs)
+        self.best, sweep = _sweep(self._timed, configs, self.spec.quick)
         self.notes |= {"best": _label(self.best), "best_transfer": list(self.best), "sweep": sweep}
 
     def _timed(self, config: Config) -> float:
@@ -129,14 +130,14 @@ class RawDownload(_Boto):
         uploader = RawUpload(self.spec)
         uploader.client, uploader.flat = self.client, flat.numpy().data
         part, conc = self.spec.part_size, self.spec.concurrency
-        for objects in (WHOLE, 128 * MiB, 32 * MiB):
+        for objects in (WHOLE,) if self.spec.quick else (WHOLE, 128 * MiB, 32 * MiB):
             uploader.upload(f"layout-{objects}", (objects, part, conc))
         del uploader, flat
         share = max(MiB, -(-self.size // conc))
         configs = [(WHOLE, part, conc), (WHOLE, share, conc), (WHOLE, WHOLE, 1)]
         configs += [(128 * MiB, part, conc), (128 * MiB, WHOLE, conc)]
         configs += [(32 * MiB, part, conc), (32 * MiB, WHOLE, conc)]
-        self.best, sweep = _sweep(self._timed, configs)
+        self.best, sweep = _sweep(self._timed, configs, self.spec.quick)
         self.notes |= {"best": _label(self.best), "best_transfer": list(self.best), "sweep": sweep}
 
     def _timed(self, config: Config) -> float:

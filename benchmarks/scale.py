@@ -158,6 +158,13 @@ class Rig:
             self.proxy.stop()
         self.server.stop()
 
+    def fresh_uri(self, kind: str) -> str:
+        """``s3://<a new bucket>/<kind>``: moto lists (and finds a key in) time proportional to
+        every key of the bucket, so a run beside the keys of earlier runs paid for all of them."""
+        bucket = f"{BUCKET}-{kind}-{time.monotonic_ns()}"
+        self.server.create_bucket(bucket)
+        return f"s3://{bucket}/{kind}"
+
     def options(self, **extra: Any) -> dict[str, Any]:
         assert self.proxy is not None
         return {**self.server.storage_options(), "endpoint_url": self.proxy.endpoint_url, **extra}
@@ -248,7 +255,7 @@ def simulate_save(rig: Rig, config: SaveConfig) -> list[SaveReport]:
     """Save steps 1..``config.steps`` with ``config.ranks`` simulated ranks; load each back."""
     from ckptstore import CheckpointStore
 
-    uri = f"s3://{BUCKET}/run-{time.monotonic_ns()}"
+    uri = rig.fresh_uri("run")
     options = rig.options(**config.storage_options)
 
     def open_rank_store() -> Any:
@@ -367,7 +374,7 @@ def measure_steps(
 
     from ckptstore import CheckpointStore
 
-    uri = f"s3://{BUCKET}/steps-{time.monotonic_ns()}"
+    uri = rig.fresh_uri("steps")
     seed_steps(rig, uri, steps, every)
     assert rig.proxy is not None
     throttle, rig.proxy.throttle = rig.proxy.throttle, None

@@ -31,11 +31,14 @@ class FaultyBackend(BackendProxy):
         self.mode = mode
         self.count = 0
         self.fired = False
+        self.log: list[tuple[str, str]] = []
+        """(operation, path) of every operation counted, in order."""
 
     def _tick(self, op: str, path: str) -> None:
         if self.fired and self.mode == "crash":
             raise InjectedFault(f"process is dead (crashed before {op} {path})")
         self.count += 1
+        self.log.append((op, path))
         if self.count == self.fail_at:
             self.fired = True
             raise InjectedFault(f"injected failure of {op} #{self.count} on {path}")

@@ -19,7 +19,15 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.proxy import BackendProxy
 from ckptstore.backends.registry import open_backend
 from ckptstore.data.payload import SourceFile
-from ckptstore.domain.layout import LATEST_NAME, manifest_path, step_dir
+from ckptstore.domain.layout import (
+    ATTEMPT_MARKER,
+    LATEST_NAME,
+    LEASE_NAME,
+    MANIFEST_NAME,
+    META_DIR,
+    manifest_path,
+    step_dir,
+)
 from ckptstore.errors import (
     CheckpointError,
     ConflictError,
@@ -404,11 +412,40 @@ def check_store(raw: Any, done: list[int]) -> None:
         assert_state_is(fresh.load(), latest.step)
 
 
-def count_operations(make_store: StoreFactory) -> int:
+def record_operations(make_store: StoreFactory) -> list[tuple[str, str]]:
+    """(operation, path) of every mutating operation of run_saves, in order."""
     store = make_store(keep_last=KEEP_LAST)
     counter = FaultyBackend(store.backend, fail_at=None)
     run_saves(CheckpointStore(store.uri, keep_last=KEEP_LAST, backend=counter))
-    return counter.count
+    return counter.log[: counter.count]
+
+
+def object_kind(path: str) -> str:
+    if path == LEASE_NAME:
+        return "lease"
+    if path == LATEST_NAME:
+        return "pointer"
+    if path.startswith(META_DIR + "/"):
+        return "index"
+    name = path.rsplit("/", 1)[-1]
+    return {MANIFEST_NAME: "manifest", ATTEMPT_MARKER: "attempt marker"}.get(name, "payload")
+
+
+def kinds_of(operations: list[tuple[str, str]]) -> list[tuple[str, ...]]:
+    """Each operation's kind: its name and object kind, after the previous one's (so the index
+    swap before a manifest differs from the one after it, a lease's take from its renewal)."""
+    kinds = [(op, object_kind(path)) for op, path in operations]
+    return [(*kind, *before) for kind, before in zip(kinds, [(), *kinds[:-1]], strict=True)]
+
+
+def sample_points(operations: list[tuple[str, str]], mode: str) -> list[int]:
+    """One point of every kind: its first occurrence in "error" mode, its last in "crash"
+    mode, so the two modes also fail different steps' operations."""
+    firsts: dict[tuple[str, ...], int] = {}
+    for n, kind in enumerate(kinds_of(operations), 1):
+        if mode == "crash" or kind not in firsts:
+            firsts[kind] = n
+    return sorted(firsts.values())
 
 
 @pytest.mark.timeout(900)
@@ -417,21 +454,27 @@ def count_operations(make_store: StoreFactory) -> int:
 def test_failing_the_nth_operation_never_exposes_a_bad_step(
     backend_uri: tuple[str, dict[str, Any]], mode: str, tmp_path: Path
 ) -> None:
+    """Memory and local fail every point of the sequence. Over HTTP every point costs a server
+    round of saves, so S3 fails one point of every kind of operation (kinds_of: operation x
+    object kind - payload, attempt marker, manifest, index, pointer, lease - x the kind before
+    it) in each mode, and checks that the fault struck that kind (the sequence is fixed: the
+    marker precedes an attempt's payload files, which alone are written in parallel)."""
     uri, options = backend_uri
-    total = count_operations(
+    operations = record_operations(
         lambda **kw: CheckpointStore(f"{uri}/count", storage_options=options, **kw)
     )
+    total = len(operations)
     assert total > 20
-    # Over HTTP every point costs a server round of saves: S3 samples them, "error" the even
-    # points and "crash" the odd ones, so the two runs together still fail every operation once.
-    points = range(1, total + 1)
+    points = list(range(1, total + 1))
     if uri.startswith("s3://"):
-        points = range(2 if mode == "error" else 1, total + 1, 2)
+        points = sample_points(operations, mode)
+        assert len(set(kinds_of(operations))) == len(points) > 15
     for n in points:
         raw = open_backend(f"{uri}/n{n}", options)
         faulty = FaultyBackend(raw, fail_at=n, mode=mode)
         done = run_saves(CheckpointStore(raw.uri, keep_last=KEEP_LAST, backend=faulty))
         assert faulty.fired
+        assert kinds_of(faulty.log[:n])[-1] == kinds_of(operations[:n])[-1], n
         check_store(raw, done)
         try:
             CheckpointStore(raw.uri, backend=raw).gc(older_than=0)  # garbage goes, steps stay

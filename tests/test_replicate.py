@@ -212,7 +212,9 @@ def test_a_replication_killed_at_every_point_resumes_without_copying_finished_fi
     target: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """Streamed into a local directory and into S3 (from a local source), and server-side
-    between two prefixes of one S3 endpoint (copy_in is a mutating operation too)."""
+    between two buckets of one S3 endpoint (copy_in is a mutating operation too). Each point
+    copies into a bucket of its own (moto lists in time proportional to every key of a bucket)
+    through one backend, so the server's capabilities are probed once per point."""
     client = request.getfixturevalue("s3_client") if target != "local" else None
 
     def backend(uri: str) -> Backend:  # one S3 client for all: creating one takes 0.2 s
@@ -230,9 +232,12 @@ def test_a_replication_killed_at_every_point_resumes_without_copying_finished_fi
 
     for fail_at in range(1, 100):
         uri = str(tmp_path / f"dst{fail_at}")
-        if target != "local":
-            uri = f"{request.getfixturevalue('s3_uri')}/{fail_at}"
-        faulty = FaultyBackend(backend(uri), fail_at=fail_at, mode="crash")
+        if client is not None:
+            bucket = f"{request.getfixturevalue('s3_bucket')}-{fail_at}"
+            client.create_bucket(Bucket=bucket)
+            uri = f"s3://{bucket}/run"
+        dst = backend(uri)
+        faulty = FaultyBackend(dst, fail_at=fail_at, mode="crash")
         dying = CheckpointStore(uri, backend=faulty, lease=False)
         try:
             replicate(src, dying)
@@ -240,13 +245,13 @@ def test_a_replication_killed_at_every_point_resumes_without_copying_finished_fi
             points += 1
         else:
             break  # past the last mutating operation: the first run completed
-        finished = {o.path: o.size for o in faulty.inner.list("")}
-        after_kill = CheckpointStore(uri, backend=backend(uri), lease=False)
+        finished = {o.path: o.size for o in dst.list("")}
+        after_kill = CheckpointStore(uri, backend=dst, lease=False)
         committed = [i.step for i in after_kill.list()]
         pointer = after_kill.resolver.catalog.pointer_or_none()
         if pointer is not None:  # latest names a step whose copy is complete
             assert pointer.step in committed and after_kill.verify(pointer.step).ok
-        writes = Writes(backend(uri))
+        writes = Writes(dst)
         resumed = CheckpointStore(uri, backend=writes, lease=False)
         report = replicate(src, resumed)
         assert not set(writes.payload) & set(finished), f"fail_at={fail_at}: copied again"

@@ -5,19 +5,23 @@ never moves ``latest`` again; (b) two clusters by mistake: B, without ``takeover
 while A's lease is live, naming A; (c) two writers with ``lease=False`` commit different steps
 at once: nothing is lost and ``latest`` ends at the newest step, never having gone back.
 
-The writers are this file run as a script (``python tests/test_rival_writers.py JOB``): real
-processes, each with its own clients, lease and writer id. They report what happened as JSON
-lines; a thread of the test polls ``latest.json`` meanwhile to see every move it can.
+The writers are real processes, each with its own clients, lease and writer id, forked from
+the fork server of ranks.py (torch and ckptstore imported once, not in every writer). They
+report what happened through a pipe; a thread of the test polls ``latest.json`` meanwhile to
+see every move it can.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
+import multiprocessing
+import os
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +32,12 @@ from ckptstore import CheckpointStore
 from ckptstore.backends.registry import open_backend
 from ckptstore.domain.layout import LATEST_NAME
 from ckptstore.errors import CheckpointError, NotFoundError
+from ckptstore.protocol.lease import DEFAULT_TTL
 from ckptstore.protocol.pointer import Pointer
+from ranks import PRELOAD
 
 TIMEOUT = 120.0
+WRITERS = multiprocessing.get_context("forkserver")
 
 
 def state_for(step: int) -> dict[str, Any]:
@@ -40,17 +47,18 @@ def state_for(step: int) -> dict[str, Any]:
 # -- the writer process ---------------------------------------------------------------------
 
 
-def say(**event: Any) -> None:
-    print(json.dumps(event), flush=True)
-
-
-def worker(job: dict[str, Any]) -> int:
+def worker(job: dict[str, Any], events: Connection, gate: Connection) -> int:
     """Save ``job["steps"]`` (``"resume"``: the three after latest); report every outcome."""
+
+    def say(**event: Any) -> None:
+        events.send(event)
+
     store = CheckpointStore(
         job["uri"],
         storage_options=job["options"],
         lease=job.get("lease", True),
         takeover=job.get("takeover", False),
+        lease_ttl=job.get("lease_ttl", DEFAULT_TTL),
     )
     say(writer=store.writer)
     steps = job["steps"]
@@ -61,7 +69,7 @@ def worker(job: dict[str, Any]) -> int:
     failures, deadline = 0, time.monotonic() + TIMEOUT / 2
     for step in steps:
         if job.get("gate") and step != steps[0]:
-            sys.stdin.readline()  # the test says when
+            gate.recv()  # the test says when
         try:
             store.save(step, state_for(step), allow_older=job.get("allow_older", False))
             say(saved=step)
@@ -78,6 +86,22 @@ def worker(job: dict[str, Any]) -> int:
     return 0
 
 
+def _writer_process(
+    job: dict[str, Any], events: Connection, gate: Connection, err: str, env: dict[str, str]
+) -> None:
+    """A writer, forked from the fork server: the caller's environment, stderr to ``err``."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    try:
+        code = worker(job, events, gate)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    sys.stderr.flush()
+    sys.exit(code)
+
+
 # -- the test's side --------------------------------------------------------------------------
 
 
@@ -85,44 +109,50 @@ class Writer:
     """A writer process and the events it reported."""
 
     def __init__(self, **job: Any) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, json.dumps(job)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        events, sending = WRITERS.Pipe(duplex=False)
+        gate, self._gate = WRITERS.Pipe(duplex=False)
+        fd, self.err = tempfile.mkstemp(prefix="ckptstore-writer-", suffix=".err")
+        os.close(fd)
+        WRITERS.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+        args = (job, sending, gate, self.err, dict(os.environ))
+        self.proc = WRITERS.Process(target=_writer_process, args=args, daemon=True)
+        self.proc.start()
+        sending.close()  # the writer holds the only sending end: its exit ends the pipe
+        gate.close()
         self.events: list[dict[str, Any]] = []
-        self.stderr: list[str] = []
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        threading.Thread(target=self._read, args=(self.proc.stdout, True), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.proc.stderr, False), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(events,), daemon=True)
+        self._reader.start()
 
-    def _read(self, stream: Any, events: bool) -> None:
-        for line in stream:
-            if events:
-                self.events.append(json.loads(line))
-            else:
-                self.stderr.append(line)
+    def _read(self, events: Connection) -> None:
+        with events:
+            while True:
+                try:
+                    self.events.append(events.recv())
+                except EOFError:
+                    return
 
     def wait_for(self, done: Callable[[list[dict[str, Any]]], bool]) -> None:
         give_up = time.monotonic() + TIMEOUT
         while not done(self.events):
-            assert self.proc.poll() is None or done(self.events), self.report()
+            if not self.proc.is_alive():
+                self._reader.join(TIMEOUT)  # every event it sent is read
+                assert done(self.events), self.report()
             assert time.monotonic() < give_up, self.report()
             time.sleep(0.02)
 
     def finish(self) -> None:
-        assert self.proc.wait(TIMEOUT) == 0, self.report()
-        time.sleep(0.1)  # the reader threads catch up with the last lines
+        self.proc.join(TIMEOUT)
+        self._reader.join(TIMEOUT)
+        assert self.proc.exitcode == 0 and not self._reader.is_alive(), self.report()
+        Path(self.err).unlink()
 
     def release(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
+        self._gate.send("go")
 
     def report(self) -> str:
-        return f"events {self.events}\nstderr {''.join(self.stderr)[-3000:]}"
+        err = Path(self.err)
+        stderr = err.read_text(errors="replace")[-3000:] if err.exists() else ""
+        return f"exit code {self.proc.exitcode}, events {self.events}\nstderr {stderr}"
 
     @property
     def writer(self) -> str:
@@ -223,8 +253,11 @@ def test_a_zombie_is_fenced_and_never_moves_latest_again(
 def test_a_second_cluster_is_refused_while_the_lease_is_live(
     where: tuple[str, dict[str, Any]], pointer_moves: list[Pointer]
 ) -> None:
+    """The second writer watches the first's lease record until its heartbeat (every
+    ``lease_ttl / 4``) renews it: a 20 s TTL refuses it after about 5 s, not 15, and still
+    leaves a loaded machine 20 s to run the first's heartbeat before it would look dead."""
     uri, options = where
-    first = Writer(uri=uri, options=options, steps=[1, 2], gate=True)
+    first = Writer(uri=uri, options=options, steps=[1, 2], gate=True, lease_ttl=20.0)
     first.wait_for(lambda events: any("saved" in e for e in events))
     second = Writer(uri=uri, options=options, steps="resume")
     second.finish()
@@ -258,7 +291,3 @@ def test_lease_free_writers_lose_no_commit(
     assert_all_load(uri, options, list(range(1, 21)))
     assert final_pointer(uri, options).step == 20
     assert_forward_only(pointer_moves)
-
-
-if __name__ == "__main__":
-    sys.exit(worker(json.loads(sys.argv[1])))
