@@ -19,6 +19,7 @@ import re
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -222,8 +223,10 @@ def test_the_entry_point_composes_verls_sft_config_with_the_store_section(
 ) -> None:
     """``python -m ckptstore.integrations.verl_sft`` is Hydra's main over verl's own
     ``sft_trainer_engine`` config (``--cfg job`` prints it and stops before training). The
-    main runs in this process, with the command line ``python -m`` would hand it: the same
-    Hydra call, without an interpreter that imports verl again."""
+    module runs as ``__main__`` in this process (``runpy``, what ``python -m`` does) with the
+    command line ``python -m`` would hand it, without an interpreter that imports verl again."""
+    import runpy
+
     from omegaconf import OmegaConf
 
     from ckptstore.integrations import verl_sft
@@ -234,7 +237,9 @@ def test_the_entry_point_composes_verls_sft_config_with_the_store_section(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [verl_sft.__file__, "--cfg", "job", *args])
     capsys.readouterr()
-    verl_sft.main()
+    with warnings.catch_warnings():  # runpy: the module is imported already (its imports are)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        runpy.run_module(verl_sft.__name__, run_name="__main__", alter_sys=True)
     config = OmegaConf.create(capsys.readouterr().out)
     assert config.trainer.save_freq == 7 and config.trainer.default_hdfs_dir is None
     assert config.engine.strategy == "fsdp" and config.data.train_batch_size == 256  # verl's
