@@ -8,7 +8,6 @@ ranks on CPU and skips when verl is not installed (CI installs it: ``ckptstore[v
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import logging
 import os
@@ -509,11 +508,9 @@ def test_real_verl_fsdp_save_wipe_resume(
     """Two gloo ranks run verl's FSDPCheckpointManager on a tiny Llama and save three steps
     through the callback into a moto S3 store, one node directory per rank; the nodes are wiped
     and a fresh job resumes: files byte-identical, verl's load succeeds, trainer state matches."""
-    import torch.multiprocessing as mp
+    from verl_ranks import launch, run_rank
 
-    from verl_ranks import run_rank
-
-    mp.spawn(run_rank, args=(WORLD, str(tmp_path), s3_uri, s3_options), nprocs=WORLD, join=True)
+    launch(run_rank, WORLD, str(tmp_path), s3_uri, s3_options)
     with CheckpointStore(s3_uri, storage_options=s3_options, lease=False) as store:
         assert [i.step for i in store.list()] == [2, 3]  # keep_last=2
         assert all(store.verify(i.step).ok for i in store.list())
@@ -524,12 +521,17 @@ def test_real_verl_fsdp_save_wipe_resume(
 
 @needs_ray
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_ray_nodes_without_shared_storage_upload_and_pull_their_own_files(
     tmp_path: Path, s3_uri: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two Ray nodes (raylets on 127.0.0.1), each agent on its own directory: each node stages
-    the shards it holds, the driver commits one step; a resume pulls it onto both."""
+    the shards it holds, the driver commits one step; a resume pulls it onto both; after
+    verl's placement each node pulls only its ranks' share.
+
+    One cluster and one agent per node serve every part (an agent is a Ray worker process
+    that imports the store: seconds each); the store is reached through a byte-counting
+    proxy from the start, which forwards every request unchanged."""
     # Every Ray process on 127.0.0.1, not on the machine's network address (Ray's switch for
     # single-machine clusters, read by the raylets and workers it starts, and by this process).
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -538,6 +540,7 @@ def test_ray_nodes_without_shared_storage_upload_and_pull_their_own_files(
     from ray.cluster_utils import Cluster
 
     import verl_ranks
+    from s3faults.faultproxy import FaultProxy
 
     monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
 
@@ -545,21 +548,24 @@ def test_ray_nodes_without_shared_storage_upload_and_pull_their_own_files(
     from ckptstore.integrations.verl_nodes import RayFleet, make_fleet
 
     ray.cloudpickle.register_pickle_by_value(verl_ranks)  # workers cannot import tests/
+    proxy = FaultProxy(s3_options["endpoint_url"]).start()
+    options = {"endpoint_url": proxy.endpoint_url}
     cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "no_monitor": True},
+    )  # no autoscaler monitor: the cluster's nodes are the two added here
     try:
         cluster.add_node(num_cpus=1)
         ray.init(address=cluster.address, log_to_driver=False)
         root = tmp_path / "disks"
-        fleet = RayFleet(str(root), s3_uri, s3_options, agent=verl_ranks.PerNodeDirAgent)
+        fleet = RayFleet(str(root), s3_uri, options, agent=verl_ranks.PerNodeDirAgent)
         names = fleet.nodes()
         assert len(names) == 2
         other = next(n for n in names if n != fleet.driver)
         disks = [root / fleet.driver[:12], root / other[:12]]
-        config = verl_config(disks[0], s3_uri, storage_options=s3_options)
+        config = verl_config(disks[0], s3_uri, storage_options=options)
         settings, run = VerlStoreConfig.from_verl(config), VerlRun.from_verl(config)
-        with CheckpointStore(s3_uri, storage_options=s3_options, lease=False) as store:
+        with CheckpointStore(s3_uri, storage_options=options, lease=False) as store:
             assert isinstance(make_fleet(settings, run, store), RayFleet)  # auto: 2 nodes
 
         cb = CkptstoreCallback(config, store=settings.open(), fleet=fleet)
@@ -582,14 +588,15 @@ def test_ray_nodes_without_shared_storage_upload_and_pull_their_own_files(
             assert files_of(disk / "global_step_1") == saved
             assert (disk / VERL_TRACKER_NAME).read_text() == "1"
         resumed.close()
-        each_node_downloads_only_its_ranks(root, disks, [fleet.driver, other], config, s3_uri)
+        each_node_downloads_only_its_ranks(disks, [fleet.driver, other], config, fleet, proxy)
     finally:
         ray.shutdown()
         cluster.shutdown()
+        proxy.stop()
 
 
 def each_node_downloads_only_its_ranks(
-    root: Path, disks: list[Path], nodes: list[str], config: dict[str, Any], uri: str
+    disks: list[Path], nodes: list[str], config: dict[str, Any], fleet: Any, proxy: Any
 ) -> None:
     """After verl placed its workers (here rank 0 on the second node, rank 1 on the driver's:
     read from Ray, never assumed), each node pulls the shared files and its own ranks' shards,
@@ -599,9 +606,7 @@ def each_node_downloads_only_its_ranks(
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     import verl_ranks
-    from ckptstore.integrations.verl_nodes import RayFleet
     from ckptstore.integrations.verl_placement import placement_of
-    from s3faults.faultproxy import FaultProxy
 
     worker = ray.remote(num_cpus=0)(verl_ranks.PlacedWorker)
     workers = [
@@ -612,39 +617,31 @@ def each_node_downloads_only_its_ranks(
     groups = {"actor": type("Group", (), {"workers": workers})()}  # verl's RayWorkerGroup's
     assert placement_of(groups) == {"actor": [nodes[1], nodes[0]]}
 
-    options = config["trainer"]["ckptstore"]["storage_options"]
     shard = b"\x5a" * (5 << 10)  # rank files (50 times this) dominate the step, as in real runs
-    with FaultProxy(options["endpoint_url"]) as proxy:
-        proxied = copy.deepcopy(config)
-        proxied["trainer"]["ckptstore"]["storage_options"] = {"endpoint_url": proxy.endpoint_url}
-        fleet = RayFleet(str(root), uri, {"endpoint_url": proxy.endpoint_url},
-                         agent=verl_ranks.PerNodeDirAgent)  # fmt: skip
-        fleet.nodes()
-        cb = CkptstoreCallback(
-            proxied, store=VerlStoreConfig.from_verl(proxied).open(), fleet=fleet,
-            resume_at_load=True,
-        )  # fmt: skip
-        fake_save(disks, 2, salt=shard)
-        cb.on_save(global_step=2, checkpoint_dir=str(disks[0] / "global_step_2"))
-        size = cb.store.info(2).size
-        downloads = {}
-        for name in ("per node", "whole step"):
-            for disk in disks:
-                shutil.rmtree(disk)
-            before = proxy.body_bytes["GetObject"]
-            placed = name == "per node"
-            resume = cb.resume_workers(groups) if placed else cb.resume_placed(None)
-            assert resume.step == 2
-            downloads[name] = proxy.body_bytes["GetObject"] - before
-            if placed:  # rank r's shards on the node verl placed it on
-                for disk, rank in ((disks[0], 1), (disks[1], 0)):
-                    held = set(files_of(disk / "global_step_2"))
-                    assert {p for p in held if "_rank_" in p} == {
-                        f"actor/{k}_world_size_{WORLD}_rank_{rank}.pt"
-                        for k in ("model", "optim", "extra_state")
-                    }, held
-                    assert {"data.pt", "actor/huggingface/config.json"} <= held
-        cb.close()
+    cb = CkptstoreCallback(
+        config, store=VerlStoreConfig.from_verl(config).open(), fleet=fleet, resume_at_load=True
+    )
+    fake_save(disks, 2, salt=shard)
+    cb.on_save(global_step=2, checkpoint_dir=str(disks[0] / "global_step_2"))
+    size = cb.store.info(2).size
+    downloads = {}
+    for name in ("per node", "whole step"):
+        for disk in disks:
+            shutil.rmtree(disk)
+        before = proxy.body_bytes["GetObject"]
+        placed = name == "per node"
+        resume = cb.resume_workers(groups) if placed else cb.resume_placed(None)
+        assert resume.step == 2
+        downloads[name] = proxy.body_bytes["GetObject"] - before
+        if placed:  # rank r's shards on the node verl placed it on
+            for disk, rank in ((disks[0], 1), (disks[1], 0)):
+                held = set(files_of(disk / "global_step_2"))
+                assert {p for p in held if "_rank_" in p} == {
+                    f"actor/{k}_world_size_{WORLD}_rank_{rank}.pt"
+                    for k in ("model", "optim", "extra_state")
+                }, held
+                assert {"data.pt", "actor/huggingface/config.json"} <= held
+    cb.close()
     ratios = {name: got / size for name, got in downloads.items()}
     shown = "; ".join(f"{n} {downloads[n]:,} ({r:.3f}x the step)" for n, r in ratios.items())
     print(f"\nresume on 2 raylets of a {size:,}-byte step, bytes the server sent: {shown}")

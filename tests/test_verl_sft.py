@@ -19,6 +19,7 @@ import re
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -217,27 +218,35 @@ def test_the_sft_handler_refuses_what_would_not_store_every_ranks_files(
 
 
 @needs_verl
-@pytest.mark.slow
-def test_the_entry_point_composes_verls_sft_config_with_the_store_section(tmp_path: Path) -> None:
+def test_the_entry_point_composes_verls_sft_config_with_the_store_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``python -m ckptstore.integrations.verl_sft`` is Hydra's main over verl's own
-    ``sft_trainer_engine`` config (``--cfg job`` prints it and stops before training)."""
+    ``sft_trainer_engine`` config (``--cfg job`` prints it and stops before training). The
+    module runs as ``__main__`` in this process (``runpy``, what ``python -m`` does) with the
+    command line ``python -m`` would hand it, without an interpreter that imports verl again."""
+    import runpy
+
+    from omegaconf import OmegaConf
+
+    from ckptstore.integrations import verl_sft
+
     store = tmp_path / "store"
     args = [f"trainer.default_local_dir={tmp_path}", "trainer.save_freq=7",
             f"+trainer.ckptstore.uri={store}", "+trainer.ckptstore.keep_last=2"]  # fmt: skip
-    src = str(Path(ckptstore.__file__).parents[1])
-    done = subprocess.run(
-        [sys.executable, "-m", "ckptstore.integrations.verl_sft", "--cfg", "job", *args],
-        env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    from omegaconf import OmegaConf
-
-    config = OmegaConf.create(done.stdout)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [verl_sft.__file__, "--cfg", "job", *args])
+    capsys.readouterr()
+    with warnings.catch_warnings():  # runpy: the module is imported already (its imports are)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        runpy.run_module(verl_sft.__name__, run_name="__main__", alter_sys=True)
+    config = OmegaConf.create(capsys.readouterr().out)
     assert config.trainer.save_freq == 7 and config.trainer.default_hdfs_dir is None
     assert config.engine.strategy == "fsdp" and config.data.train_batch_size == 256  # verl's
     assert OmegaConf.to_container(config.trainer.ckptstore) == {
         "uri": str(tmp_path / "store"), "keep_last": 2,
     }  # fmt: skip
+    assert os.listdir(tmp_path) == []  # it stopped before training: nothing written
 
 
 @needs_verl
@@ -250,11 +259,9 @@ def test_sft_handler_persists_every_kth_save_refuses_a_lost_rank_file_and_resume
     writes verl's files stands in for the model; verl_sft_handler_ranks.py): ``persist_every``,
     a save that lost a rank's file commits nothing while training goes on, ``max_failed_saves``
     in a row stop every rank, and a resume prefers a local step every rank holds whole."""
-    import torch.multiprocessing as mp
+    from verl_sft_handler_ranks import launch, run_rank
 
-    from verl_sft_handler_ranks import run_rank
-
-    mp.spawn(run_rank, args=(2, str(tmp_path), s3_uri, s3_options), nprocs=2, join=True)
+    launch(run_rank, 2, str(tmp_path), s3_uri, s3_options)
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
     for result in results:
         assert result["start"] == 0  # an empty store: from step 0

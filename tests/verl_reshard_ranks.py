@@ -91,7 +91,7 @@ def _init(rank: int, world: int, root: str, name: str) -> None:
 
 
 def _build(seed: int) -> tuple[Any, Any, Any, Any]:
-    """Dimensions that 4, 3 and 8 ranks split unevenly (66 rows, 36, 16 on 3 ranks)."""
+    """Dimensions that 3 and 4 ranks split unevenly (66 rows on 4, 16 on 3)."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(
         LlamaConfig(
