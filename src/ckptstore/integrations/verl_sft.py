@@ -96,25 +96,7 @@ class StoreCheckpointHandler(CheckpointHandler):
         names: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("default_hdfs_dir"):
-            raise ConfigError(
-                "trainer.default_hdfs_dir is set: verl's rank 0 would copy the whole step folder "
-                f"there, which on several nodes holds only its own node's shards. {SECTION}.uri "
-                "stores every rank's files; set trainer.default_hdfs_dir=null",
-                uri=settings.uri,
-            )
-        if kwargs.get("mode", OrchestrationMode.SPMD) != OrchestrationMode.SPMD:
-            raise ConfigError(
-                "StoreCheckpointHandler runs in verl's SPMD SFT trainer (torchrun); the Ray SFT "
-                "trainer is not supported (docs/verl.md, 'The SFT trainer')",
-                uri=settings.uri,
-            )
-        if settings.upload == "driver":
-            raise ConfigError(
-                f"{SECTION}.upload=driver: in the SFT trainer every rank uploads its own files "
-                "(no process sees every node's disk); leave upload unset",
-                uri=settings.uri,
-            )
+        _refuse_what_cannot_be_stored(settings, kwargs)
         super().__init__(*args, **kwargs)
         self.settings = settings
         self.total_steps = total_steps
@@ -386,6 +368,29 @@ def main(config: Any) -> None:
     """``python -m verl.trainer.sft_trainer``'s main, with the store (docs/verl.md)."""
     auto_set_device(config)
     run_sft(config)
+
+
+def _refuse_what_cannot_be_stored(settings: VerlStoreConfig, kwargs: Mapping[str, Any]) -> None:
+    """ConfigError for a trainer setup whose steps the store could not hold whole."""
+    if kwargs.get("default_hdfs_dir"):
+        raise ConfigError(
+            "trainer.default_hdfs_dir is set: verl's rank 0 would copy the whole step folder "
+            f"there, which on several nodes holds only its own node's shards. {SECTION}.uri "
+            "stores every rank's files; set trainer.default_hdfs_dir=null",
+            uri=settings.uri,
+        )
+    if kwargs.get("mode", OrchestrationMode.SPMD) != OrchestrationMode.SPMD:
+        raise ConfigError(
+            "StoreCheckpointHandler runs in verl's SPMD SFT trainer (torchrun); the Ray SFT "
+            "trainer is not supported (docs/verl.md, 'The SFT trainer')",
+            uri=settings.uri,
+        )
+    if settings.upload == "driver":
+        raise ConfigError(
+            f"{SECTION}.upload=driver: in the SFT trainer every rank uploads its own files "
+            "(no process sees every node's disk); leave upload unset",
+            uri=settings.uri,
+        )
 
 
 if __name__ == "__main__":
