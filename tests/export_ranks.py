@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
-from verl_reshard_ranks import _init, launch
+from verl_reshard_ranks import _init
 
 VOCAB = 66
 INPUT = torch.tensor([[1, 5, 9, 33, 64, 2, 17, 40]])
@@ -104,4 +104,4 @@ def _full(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-__all__ = ["INPUT", "config", "launch", "save_rank"]
+__all__ = ["INPUT", "config", "save_rank"]

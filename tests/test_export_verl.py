@@ -36,12 +36,13 @@ HF_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
 def steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``<name>/global_step_1`` saved by verl, and ``<name>/full-<variant>.pt``, per STEPS."""
     import export_ranks as ranks
+    from verl_launch import launch
 
     root = tmp_path_factory.mktemp("verl-export")
     for name, (variant, world) in STEPS.items():
         (root / name).mkdir()
         folder = root / name
-        ranks.launch(ranks.save_rank, world, str(folder), str(folder / "global_step_1"), variant)
+        launch(ranks.save_rank, world, str(folder), str(folder / "global_step_1"), variant)
     return root
 
 

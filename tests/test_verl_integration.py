@@ -508,7 +508,8 @@ def test_real_verl_fsdp_save_wipe_resume(
     """Two gloo ranks run verl's FSDPCheckpointManager on a tiny Llama and save three steps
     through the callback into a moto S3 store, one node directory per rank; the nodes are wiped
     and a fresh job resumes: files byte-identical, verl's load succeeds, trainer state matches."""
-    from verl_ranks import launch, run_rank
+    from verl_launch import launch
+    from verl_ranks import run_rank
 
     launch(run_rank, WORLD, str(tmp_path), s3_uri, s3_options)
     with CheckpointStore(s3_uri, storage_options=s3_options, lease=False) as store:

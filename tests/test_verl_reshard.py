@@ -2,7 +2,7 @@
 
 Most tests use steps laid out by verl_reshard_steps (DTensor files as verl's FSDP2 save writes
 them, without a process group). ``test_real_verl_*`` saves with verl 0.9.1's own
-FSDPCheckpointManager on 4 gloo ranks and resumes on 2, 3 and 8 (verl_reshard_ranks.py).
+FSDPCheckpointManager on 3 gloo ranks and resumes on 3, 2 and 4 (verl_reshard_ranks.py).
 """
 
 from __future__ import annotations
@@ -559,11 +559,12 @@ def test_real_verl_fsdp2_saved_on_3_ranks_resumes_on_3_down_on_2_and_up_unevenly
     17, 17, 17 and 15; 16 rows on 3 are 6, 6 and 4), so no shard maps onto one other shard;
     more ranks (8) would show nothing new and cost a process each."""
     import verl_reshard_ranks as ranks
+    from verl_launch import launch
 
     started = time.perf_counter()
     saved = tmp_path / "saved"
     step_dir = saved / "global_step_1"
-    ranks.launch(ranks.save_rank, 3, str(tmp_path), str(step_dir))
+    launch(ranks.save_rank, 3, str(tmp_path), str(step_dir))
     phases = [("save on 3", time.perf_counter() - started)]
     print(phases[-1], flush=True)
     (step_dir / "data.pt").write_bytes(b"the driver's dataloader state")
@@ -593,7 +594,7 @@ def test_real_verl_fsdp2_saved_on_3_ranks_resumes_on_3_down_on_2_and_up_unevenly
         assert pulled["data.pt"] == original["data.pt"]
         assert pulled["actor/huggingface/config.json"] == original["actor/huggingface/config.json"]
         phases.append((f"pull+reshard {world}", time.perf_counter() - started))
-        ranks.launch(ranks.resume_rank, world, str(tmp_path), str(local))
+        launch(ranks.resume_rank, world, str(tmp_path), str(local))
         phases.append((f"resume on {world}", time.perf_counter() - started))
         print(phases[-2:], flush=True)
         assert sorted(p.name for p in tmp_path.glob(f"resumed-{world}-*")) == [

@@ -259,7 +259,8 @@ def test_sft_handler_persists_every_kth_save_refuses_a_lost_rank_file_and_resume
     writes verl's files stands in for the model; verl_sft_handler_ranks.py): ``persist_every``,
     a save that lost a rank's file commits nothing while training goes on, ``max_failed_saves``
     in a row stop every rank, and a resume prefers a local step every rank holds whole."""
-    from verl_sft_handler_ranks import launch, run_rank
+    from verl_launch import launch
+    from verl_sft_handler_ranks import run_rank
 
     launch(run_rank, 2, str(tmp_path), s3_uri, s3_options)
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]

@@ -6,12 +6,11 @@ way ``PPOTrainer._save_checkpoint`` does, then calls the callback that verl's ow
 ``build_checkpoint_callback`` built from ``trainer.checkpoint_callback_class``. The callback's
 two node agents run in rank 0's process and read each node's directory, as the Ray actors of a
 real cluster would read their own disks. Ranks start from a forkserver that has imported torch,
-transformers and verl once (:func:`launch`), so a rank costs a fork, not those imports.
+transformers and verl once (verl_launch.py), so a rank costs a fork, not those imports.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 from datetime import timedelta
@@ -20,27 +19,6 @@ from typing import Any
 
 from ckptstore.integrations.verl import CkptstoreCallback
 from ckptstore.integrations.verl_nodes import LocalFleet, NodeAgent
-
-# What the forkserver imports once, so ranks start without it: installed modules only (the
-# forkserver of Python 3.11 does not get the tests' sys.path; this module is imported per rank).
-multiprocessing.get_context("forkserver").set_forkserver_preload(
-    [
-        "torch.distributed.fsdp",
-        "torchdata.stateful_dataloader",
-        "transformers.models.llama.modeling_llama",
-        "verl.trainer.ppo.checkpoint_callback",
-        "verl.utils.checkpoint.fsdp_checkpoint_manager",
-        "boto3",
-    ]
-)
-
-
-def launch(fn: Any, world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; raises if any rank fails."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(fn, args=(world, *args), nprocs=world, join=True, start_method="forkserver")
-
 
 STEPS = 3
 

@@ -8,12 +8,11 @@ to compare against. :func:`resume_rank` builds the model afresh on W' ranks, let
 bit-identical, and trains one more step.
 
 Ranks start from a forkserver that has imported torch, transformers and verl once
-(:func:`launch`), so a rank costs a fork, not the seconds those imports take.
+(verl_launch.py), so a rank costs a fork, not the seconds those imports take.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -26,24 +25,6 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
-
-# What the forkserver imports once, so ranks start without it: installed modules only (the
-# forkserver of Python 3.11 does not get the tests' sys.path; this module is imported per rank).
-multiprocessing.get_context("forkserver").set_forkserver_preload(
-    [
-        "torch.distributed.fsdp",
-        "torch.distributed.tensor",
-        "transformers.models.llama.modeling_llama",
-        "verl.utils.checkpoint.fsdp_checkpoint_manager",
-    ]
-)
-
-
-def launch(fn: Any, world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; raises if any rank fails."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(fn, args=(world, *args), nprocs=world, join=True, start_method="forkserver")
 
 
 def save_rank(rank: int, world: int, root: str, step_dir: str) -> None:

@@ -6,32 +6,18 @@ The engine is the one stand-in: it writes the files verl's FSDP engine writes (e
 and ``huggingface/``) and records what verl asks it to load; rank 1 "loses" its model file at
 the steps in ``LOST``. The real trainer runs in test_verl_sft's torchrun test. What each rank
 saw goes to ``<root>/result-<rank>.json``. Ranks start from a forkserver that has imported
-torch and verl once (:func:`launch`), so a rank costs a fork, not the seconds those imports take.
+torch and verl once (verl_launch.py), so a rank costs a fork, not the seconds those imports take.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 LOST = {4, 7, 8}
 """Steps whose save loses rank 1's model file (a rank whose write did not land)."""
-
-# What the forkserver imports once, so ranks start without it: installed modules only (the
-# forkserver of Python 3.11 does not get the tests' sys.path; this module is imported per rank).
-multiprocessing.get_context("forkserver").set_forkserver_preload(
-    ["torch.distributed", "torchdata.stateful_dataloader", "verl.trainer.sft_trainer", "boto3"]
-)
-
-
-def launch(fn: Any, world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; raises if any rank fails."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(fn, args=(world, *args), nprocs=world, join=True, start_method="forkserver")
 
 
 class FileEngine:
