@@ -17,6 +17,8 @@ from typing import Any
 import boto3
 import pytest
 import torch
+import urllib3
+from botocore.config import Config
 from botocore.httpchecksum import StreamingChecksumBody
 from botocore.response import StreamingBody
 
@@ -24,10 +26,12 @@ from ckptstore import CheckpointStore
 from ckptstore.backends import local, s3_download
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.proxy import BackendProxy
+from ckptstore.backends.s3_progress import Cancelled, CancelToken, Meter
 from ckptstore.backends.s3_transfer import Transfers, read_body_into
 from ckptstore.data.verified import read_verified
 from ckptstore.errors import CorruptCheckpointError
 from keys import file_key
+from s3faults.faultproxy import FaultProxy
 
 PIECE = 1000
 """Bytes per read call in these tests: not a divisor of any file size, so the last piece of
@@ -166,10 +170,13 @@ def transfers(s3_endpoint: str, s3_bucket: str) -> Iterator[tuple[Any, Transfers
     client.close()
 
 
-@pytest.fixture(params=["readinto", "no readinto"])
+@pytest.fixture(params=["into place", "urllib3 read1", "no readinto"])
 def body_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each S3 test runs on both paths: botocore's ``readinto``, and the fallback for a
-    botocore whose bodies have none."""
+    """Each S3 test runs on every path: socket reads straight into place, urllib3's ``read1``
+    (a response that does not allow that: chunked, say), and the fallback for a botocore
+    whose bodies have no ``readinto``."""
+    if request.param != "into place":
+        monkeypatch.setattr(s3_download, "_direct", lambda raw: False)
     if request.param == "no readinto":
         monkeypatch.setattr(StreamingBody, "readinto", None)
         monkeypatch.setattr(StreamingChecksumBody, "readinto", None)
@@ -268,3 +275,65 @@ def test_a_file_just_over_a_part_is_one_get(
         assert moves.read_into("obj", out, part) == size
         assert bytes(out) == data
         assert len(gets) == expected, (size, gets)
+
+
+# -- S3 bodies read straight into place: the connection after it -----------------------------
+
+
+@pytest.fixture
+def keep_alive(s3_endpoint: str, s3_bucket: str) -> Iterator[tuple[FaultProxy, Any]]:
+    """A client reaching moto through the fault proxy, which keeps connections open between
+    requests as S3 does (moto's server closes each one after its answer). Whole-object GETs
+    are not checksummed by botocore here, as a load's ranged GETs are not."""
+    with FaultProxy(s3_endpoint) as proxy:
+        config = Config(response_checksum_validation="when_required")
+        client = boto3.client("s3", endpoint_url=proxy.endpoint_url, config=config)
+        yield proxy, client
+        client.close()
+
+
+def test_bodies_read_into_place_give_their_connection_back(
+    keep_alive: tuple[FaultProxy, Any], s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reads bypass urllib3, which returns a connection to its pool only when it read the
+    end itself: here the connection must still serve the next request, and no byte may pass
+    through urllib3's reads (which copy)."""
+    proxy, client = keep_alive
+    data = os.urandom(3 << 20)
+    client.put_object(Bucket=s3_bucket, Key="obj", Body=data)
+    through_urllib3: list[int] = []
+    monkeypatch.setattr(
+        urllib3.response.HTTPResponse, "read1", lambda *a, **k: through_urllib3.append(1)
+    )
+    moves = Transfers(client, s3_bucket, 4, 3, checksums=True)
+    opened = proxy.connections
+    for _ in range(3):
+        out = memoryview(bytearray(len(data)))
+        assert moves.read_into("obj", out, len(data)) == len(data)
+        assert bytes(out) == data
+    assert proxy.connections == opened  # the put's connection served all three reads
+    assert not through_urllib3
+
+
+def test_a_body_given_up_midway_closes_its_connection(
+    keep_alive: tuple[FaultProxy, Any], s3_bucket: str
+) -> None:
+    """A read stopped mid-body (cancelled here; stalled, past its deadline) leaves the rest of
+    that body on its connection: the connection is closed, never handed to the next request,
+    which would read those bytes as its answer."""
+    proxy, client = keep_alive
+    first, second = os.urandom(3 << 20), os.urandom(1 << 20)
+    client.put_object(Bucket=s3_bucket, Key="first", Body=first)
+    client.put_object(Bucket=s3_bucket, Key="second", Body=second)
+    token = CancelToken()
+    meter = Meter(60.0, len(first), token, on_bytes=lambda n: token.cancel("given up"))
+    out = memoryview(bytearray(len(first)))
+    body = client.get_object(Bucket=s3_bucket, Key="first")["Body"]
+    assert s3_download._direct(body._raw_stream)  # the path under test
+    connection = body._raw_stream.connection
+    with pytest.raises(Cancelled, match="given up"):
+        read_body_into(body, out, meter)
+    assert connection.sock is None  # closed, not back in the pool
+    opened = proxy.connections
+    assert client.get_object(Bucket=s3_bucket, Key="second")["Body"].read() == second
+    assert proxy.connections == opened + 1  # a new connection, not the abandoned one

@@ -127,6 +127,9 @@ class FaultProxy:
         """Requests answered ExpiredToken so far, by S3 operation."""
         self.revoked: set[str] = set()
         """Rotating keys refused whatever their age (:meth:`expire_keys`)."""
+        self.connections = 0
+        """Client connections accepted so far (a client that reuses its connections opens
+        one per request in flight, not one per request)."""
         self.stopping = threading.Event()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -228,6 +231,7 @@ class FaultProxy:
     def track(self, connection: socket.socket, alive: bool) -> None:
         with self._lock:
             (self._connections.add if alive else self._connections.discard)(connection)
+            self.connections += alive
 
     # -- refused connections: stop listening, drop what is open, listen again -------------
 

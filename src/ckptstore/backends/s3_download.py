@@ -11,11 +11,13 @@ backend's retry loop (:mod:`.s3_retry`), under its time budget and the deadline 
 
 from __future__ import annotations
 
+import http.client
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+import urllib3
 from botocore.exceptions import ClientError, IncompleteReadError
 
 from ckptstore.backends.s3_errors import code_of, is_refused
@@ -66,15 +68,19 @@ def read_body_into(
     With a ``meter`` (the watchdog), a piece must not hide a trickle: ``readinto`` returns
     only when its piece is full, so a server that slows from fast to a few bytes a second
     would keep a 4 MiB piece, and the watchdog, waiting for hours. So a body botocore does not
-    checksum is read with urllib3's ``read1`` (:func:`_read1_into`), which returns what one
-    socket read brought: large pieces while data flows, every byte counted when it trickles;
-    ``length`` (the answer's Content-Length) is then checked here, as botocore would.
-    A body botocore checksums (a whole object with a stored checksum: small JSON, in practice)
-    keeps ``readinto``, in pieces sized to what arrives in an eighth of ``stall_timeout``.
+    checksum is read one socket read at a time: large pieces while data flows, every byte
+    counted when it trickles; ``length`` (the answer's Content-Length) is then checked here,
+    as botocore would. Where the response allows it, the socket reads land straight in
+    ``out`` (:func:`_recv_into`); otherwise through urllib3's ``read1`` (:func:`_read1_into`),
+    which hands over a new ``bytes`` per read, copied into place. A body botocore checksums
+    (a whole object with a stored checksum: small JSON, in practice) keeps ``readinto``, in
+    pieces sized to what arrives in an eighth of ``stall_timeout``.
     """
-    read1 = _read1(body) if meter is not None else None
-    if read1 is not None and meter is not None:
-        return _read1_into(read1, out, meter, length)
+    raw = _raw_stream(body) if meter is not None else None
+    if raw is not None and meter is not None:
+        if _direct(raw):
+            return _recv_into(raw, out, meter, length)
+        return _read1_into(raw.read1, out, meter, length)
     readinto = getattr(body, "readinto", None)
     if readinto is None:
         data = body.read()
@@ -98,12 +104,72 @@ def read_body_into(
     return filled + len(rest)
 
 
-def _read1(body: Any) -> Any:
-    """urllib3's ``read1`` under a botocore body that checks no checksum, else None.
-    (``_raw_stream`` is botocore's, as its own ``set_socket_timeout`` uses it.)"""
-    if getattr(body, "_checksum", None) is not None:
+def _raw_stream(body: Any) -> Any:
+    """urllib3's response under a botocore body that checks no checksum and has ``read1``,
+    else None. (``_raw_stream`` is botocore's, as its own ``set_socket_timeout`` uses it.)"""
+    raw = getattr(body, "_raw_stream", None)
+    if getattr(body, "_checksum", None) is not None or not callable(getattr(raw, "read1", None)):
         return None
-    return getattr(getattr(body, "_raw_stream", None), "read1", None)
+    return raw
+
+
+def _direct(raw: Any) -> bool:
+    """Whether :func:`_recv_into` can read ``raw``: urllib3's response over http.client's
+    (``_fp``), with a Content-Length, not chunked, not read from yet."""
+    resp = getattr(raw, "_fp", None)
+    return (
+        isinstance(resp, http.client.HTTPResponse)
+        and isinstance(resp.length, int)
+        and not resp.chunked
+        and callable(getattr(resp.fp, "readinto1", None))
+        and getattr(raw, "_fp_bytes_read", None) == 0
+        and callable(getattr(raw, "release_conn", None))
+    )
+
+
+def _recv_into(raw: Any, out: memoryview, meter: Meter, length: int | None) -> int:
+    """:func:`read_body_into` with each socket read landing in ``out`` itself.
+
+    urllib3 reads a body into a new ``bytes`` per call, which a caller then copies into
+    place: a sixth of a load's CPU on loopback, and memory faulted in for every piece. So
+    the body is read from http.client's buffered socket file with ``readinto1`` (one socket
+    read, straight into ``out`` past the few bytes buffered with the headers), keeping
+    http.client's count of what is left as its own reads do. At the end the response is
+    closed and its connection given back to urllib3's pool for the next request; on any
+    error the connection is closed instead, and a socket error is raised as urllib3 would
+    raise it (the retry loop knows those: a timeout, a broken body)."""
+    resp = raw._fp
+    filled = extra = 0
+    try:
+        while resp.length:
+            if filled < len(out):
+                n = resp.fp.readinto1(out[filled : filled + min(READ_PIECE, resp.length)])
+            else:  # more than asked for: read, counted and dropped, for the caller
+                n = len(resp.fp.read1(min(READ_PIECE, resp.length)))
+            if not n:
+                break  # the connection closed early: cut short, below
+            resp.length -= n
+            if filled < len(out):
+                filled += n
+                meter.moved(n)
+            else:
+                extra += n
+    except (OSError, http.client.HTTPException) as e:
+        raw.close()
+        if isinstance(e, TimeoutError):
+            raise urllib3.exceptions.ReadTimeoutError(raw._pool, None, "Read timed out.") from e
+        raise urllib3.exceptions.ProtocolError(f"Connection broken: {e!r}", e) from e
+    except BaseException:
+        raw.close()
+        raise
+    if resp.length:
+        raw.close()
+    else:
+        resp.close()  # http.client's response ends; its socket stays with the connection
+        raw.release_conn()
+    if length is not None and filled + extra != length:
+        raise IncompleteReadError(actual_bytes=filled + extra, expected_bytes=length)
+    return filled + extra
 
 
 def _read1_into(
