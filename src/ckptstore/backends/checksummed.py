@@ -23,8 +23,11 @@ class Crc32cChunks(Iterator[Chunk]):
     """``chunks`` passed through, their CRC32C and size counted on the way; ``done`` once the
     last was taken, when ``value`` is the CRC32C of every byte."""
 
-    def __init__(self, chunks: Iterable[Chunk]) -> None:
+    def __init__(self, chunks: Iterable[Chunk], *, stable: bool = False) -> None:
         self._chunks = iter(chunks)
+        self.stable = stable
+        """Every chunk stays valid and unchanged until the write returns (a save's views of
+        its tensors): a backend may send them where they lie instead of copying them."""
         self.value = 0
         self.size = 0
         self.done = False

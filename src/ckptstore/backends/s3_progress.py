@@ -19,10 +19,13 @@ wraps them (``HTTPClientError(error=...)``); :func:`cause` unwraps them.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from ckptstore.backends.base import Chunk
 from ckptstore.deadline import Deadline, current_deadline
 
 MIN_PROGRESS = 64 << 10
@@ -155,30 +158,40 @@ class ProgressBody:
     Reads return at most the size asked, as files do, but as read-only views of the body, not
     copies: botocore reads it in 128 KiB blocks (to hash it for the signature over plain HTTP,
     then to send it), and a copy per block was a second copy of every byte a save uploads.
+    The body may be one buffer or several laid end to end (a shard's header and its tensors,
+    where they lie: ``s3_write``); a read then stops at the end of a segment.
     """
 
-    def __init__(self, data: bytes | bytearray | memoryview, meter: Meter) -> None:
-        self._view = memoryview(data).cast("B").toreadonly()
+    def __init__(self, data: Chunk | Sequence[Chunk], meter: Meter) -> None:
+        pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+        self._segments = [memoryview(p).cast("B").toreadonly() for p in pieces]
+        self._starts = list(itertools.accumulate((len(s) for s in self._segments), initial=0))
         self._meter = meter
         self._pos = 0
         self._pending = 0
 
     def __len__(self) -> int:
-        return len(self._view)
+        return self._starts[-1]
 
     def read(self, size: int = -1) -> memoryview:
         self._meter.moved(self._pending)  # the previous block was sent
-        end = len(self._view)
-        if size is not None and size >= 0:
-            end = min(end, self._pos + size)
-        block = self._view[self._pos : end]
+        index = bisect.bisect_right(self._starts, self._pos) - 1
+        if index >= len(self._segments):
+            self._pending = 0
+            return memoryview(b"")
+        segment, offset = self._segments[index], self._pos - self._starts[index]
+        if size is None or size < 0:  # the rest, whole (a copy only where it spans segments)
+            rest = [segment[offset:], *self._segments[index + 1 :]]
+            block = rest[0] if len(rest) == 1 else memoryview(b"".join(rest))
+        else:
+            block = segment[offset : min(len(segment), offset + size)]
         self._pending = len(block)
-        self._pos = end
+        self._pos += len(block)
         return block
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
-        self._pos = max(0, min(len(self._view), base + offset))
+        base = {0: 0, 1: self._pos, 2: len(self)}[whence]
+        self._pos = max(0, min(len(self), base + offset))
         self._pending = 0
         return self._pos
 

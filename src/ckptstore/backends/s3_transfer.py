@@ -69,6 +69,16 @@ _PAGING = {
 """For each listing: the answer's field that names the next page, and the parameter it goes in."""
 
 
+Body = bytes | bytearray | list[Chunk]
+"""A PUT's bytes: one buffer, or chunks laid end to end (sent where they lie)."""
+
+
+def body_size(body: Body) -> int:
+    if not isinstance(body, list):
+        return len(body)
+    return sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in body)
+
+
 def crc32c_base64(data: Chunk, known: int | None = None) -> str:
     """The form S3's ``ChecksumCRC32C`` header takes: the CRC32C, big-endian, in base64
     (``known``: the CRC32C of ``data``, computed as it streamed in, not computed again)."""
@@ -228,10 +238,11 @@ class Transfers:
 
     # -- writes ---------------------------------------------------------------------------
 
-    def put(self, key: str, body: bytes | bytearray, **extra: str) -> dict[str, Any]:
+    def put(self, key: str, body: Body, **extra: str) -> dict[str, Any]:
         """One PutObject (``extra``: its conditions, and its ``ChecksumCRC32C`` where the
         caller has it: :meth:`part_checksum`), carrying a CRC32C if checksums are on, retried.
-        The caller holds a slot where the PUT carries a part's worth of bytes."""
+        ``body``: bytes, or a list of chunks sent one after another where they lie. The
+        caller holds a slot where the PUT carries a part's worth of bytes."""
         if self.checksums:
             extra = {"ChecksumAlgorithm": "CRC32C", **extra}
             if "ChecksumCRC32C" not in extra:
@@ -244,17 +255,22 @@ class Transfers:
 
         return self.retrier.call("PutObject", attempt, progress)
 
-    def _body(self, data: bytes | bytearray, progress: Progress) -> Any:
-        if len(data) <= SMALL_BODY:
-            return data
+    def _body(self, data: Body, progress: Progress) -> Any:
+        size = body_size(data)
+        if size <= SMALL_BODY:
+            return data if not isinstance(data, list) else b"".join(data)
         return ProgressBody(
-            data, Meter(self.stall_timeout, len(data), progress.token, on_bytes=progress.add)
+            data, Meter(self.stall_timeout, size, progress.token, on_bytes=progress.add)
         )
 
-    def part_checksum(self, data: bytes | bytearray, known: int | None = None) -> dict[str, str]:
+    def part_checksum(self, data: Body, known: int | None = None) -> dict[str, str]:
         """``ChecksumCRC32C`` of a part or PUT body (``known``: its CRC32C, if computed
         already), if checksums are on."""
-        return {"ChecksumCRC32C": crc32c_base64(data, known)} if self.checksums else {}
+        if not self.checksums:
+            return {}
+        if isinstance(data, list) and known is None:
+            known = functools.reduce(lambda crc, chunk: crc32c.crc32c(chunk, crc), data, 0)
+        return {"ChecksumCRC32C": crc32c_base64(data if not isinstance(data, list) else b"", known)}
 
     # -- multipart (s3_multipart) ---------------------------------------------------------
 

@@ -23,7 +23,7 @@ from ckptstore.backends.checksummed import Crc32cChunks
 from ckptstore.backends.s3_errors import Translator
 from ckptstore.backends.s3_options import MAX_SINGLE_PUT, S3Options, tail
 from ckptstore.backends.s3_progress import Progress
-from ckptstore.backends.s3_transfer import Transfers, drain, split
+from ckptstore.backends.s3_transfer import Body, Transfers, drain, split
 
 
 class FileWrites:
@@ -45,11 +45,23 @@ class FileWrites:
     def write(self, key: str, chunks: Iterable[Chunk]) -> int:
         """Write ``chunks`` to ``key``: one PutObject below ``multipart_threshold``, else a
         parallel multipart upload; the bytes written."""
-        transfers, name = self._transfers, self._transfers.name(key)
-        parts = split(chunks, self._opts.part_size)
-        head: deque[bytearray] = deque()
-        size, part_size, threshold = 0, self._opts.part_size, self._opts.multipart_threshold
+        part_size, threshold = self._opts.part_size, self._opts.multipart_threshold
         single = min(threshold + tail(part_size), MAX_SINGLE_PUT)  # the most one PUT takes
+        if isinstance(chunks, Crc32cChunks) and chunks.stable:
+            held: list[Chunk] = []
+            size = 0
+            for chunk in chunks:  # no copy: the chunks stay valid until this returns
+                held.append(chunk)
+                size += chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
+                if size > single:
+                    break
+            else:
+                return self._put(key, held, size, chunks)
+            chunks = itertools.chain(held, chunks)  # too large for one PUT: cut into parts
+        transfers, name = self._transfers, self._transfers.name(key)
+        parts = split(chunks, part_size)
+        head: deque[bytearray] = deque()
+        size = 0
         for part in parts:
             head.append(part)
             size += len(part)
@@ -58,14 +70,17 @@ class FileWrites:
             if size >= threshold and (len(part) == part_size or size > single):
                 break
         else:
-            body = head[0] if len(head) == 1 else b"".join(head)
-            # the whole file in one PUT: the CRC32C its chunks carry is the body's
-            crc = chunks.whole(size) if isinstance(chunks, Crc32cChunks) else None
-            checksum = transfers.part_checksum(body, crc) if crc is not None else {}
-            progress = Progress(name, "write")
-            with self._errors.translated(name, "write"), transfers.slot(progress):
-                transfers.put(key, body, **checksum)  # a PUT holds a slot, as a part does
-            return size
+            return self._put(key, head[0] if len(head) == 1 else b"".join(head), size, chunks)
         with self._errors.translated(name, "write"):
             rest = itertools.chain(drain(head), parts)
             return transfers.upload(key, rest, part_size=self._opts.part_size)
+
+    def _put(self, key: str, body: Body, size: int, chunks: Iterable[Chunk]) -> int:
+        """The whole file in one PUT: the CRC32C its chunks carry is the body's."""
+        transfers, name = self._transfers, self._transfers.name(key)
+        crc = chunks.whole(size) if isinstance(chunks, Crc32cChunks) else None
+        checksum = transfers.part_checksum(body, crc) if crc is not None else {}
+        progress = Progress(name, "write")
+        with self._errors.translated(name, "write"), transfers.slot(progress):
+            transfers.put(key, body, **checksum)  # a PUT holds a slot, as a part does
+        return size

@@ -23,6 +23,9 @@ class SourceFile:
     path: str
     chunks: Callable[[], Iterable[Chunk]]
     size: int | None = None
+    stable: bool = False
+    """Its chunks stay valid and unchanged until the write returns (views of a save's
+    tensors, immutable bytes): a backend may send them where they lie, without a copy."""
 
 
 def iter_file(read: Callable[[int], bytes], chunk_size: int = 1 << 22) -> Iterator[bytes]:

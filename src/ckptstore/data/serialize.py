@@ -103,10 +103,10 @@ class EncodedState:
     tensor sits in the shard of the key that came first); ``None`` if the state is no dict."""
 
     def files(self) -> list[SourceFile]:
-        files = [SourceFile(s.path, s.chunks, s.size) for s in self.shards]
+        files = [SourceFile(s.path, s.chunks, s.size, stable=True) for s in self.shards]
         for path, data in ((SKELETON_FILE, self.skeleton), (PICKLE_FILE, self.pickled)):
             if data is not None:
-                files.append(SourceFile(path, _single(data), len(data)))
+                files.append(SourceFile(path, _single(data), len(data), stable=True))
         return files
 
 

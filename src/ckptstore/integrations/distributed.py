@@ -43,7 +43,6 @@ from ckptstore.core.coordination import Coordinator
 from ckptstore.core.reports import Staged, describe
 from ckptstore.core.resolver import VERIFY_ERRORS
 from ckptstore.core.search import Search
-from ckptstore.data.payload import SourceFile
 from ckptstore.data.serialize import SKELETON_FILE, decode_state, encode_state
 from ckptstore.deadline import map_in_context
 from ckptstore.domain import layout
@@ -258,7 +257,7 @@ def _stage(
 ) -> list[FileEntry]:
     encoded = encode_state(state, shard_size=store.shard_size, allow_pickle=allow_pickle)
     folder = rank_dir(rank)
-    files = [SourceFile(f"{folder}/{f.path}", f.chunks, f.size) for f in encoded.files()]
+    files = [replace(f, path=f"{folder}/{f.path}") for f in encoded.files()]
     return store.stage_files(plan.step, files, plan=plan, rank=rank)
 
 

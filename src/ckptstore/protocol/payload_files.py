@@ -55,7 +55,12 @@ class PayloadFiles:
         # ``old``, the backend holds the whole file before it sends any of it: the last chunk
         # raises _Unchanged instead, where the bytes are ``old``'s, and the file is copied
         passing = _reporting(chunks, self.progress) if self.progress else chunks
-        counted = Crc32cChunks(passing) if old is None else _UnlessSame(passing, old, sha)
+        stable = source.stable
+        counted = (
+            Crc32cChunks(passing, stable=stable)
+            if old is None
+            else _UnlessSame(passing, old, sha, stable=stable)
+        )
         try:
             size = self.backend.write(path, counted)
         except _Unchanged:
@@ -102,8 +107,10 @@ class _UnlessSame(Crc32cChunks):
     equal ``old``'s: the check that would otherwise read the file a first time, on the one
     pass that also copies it into the request."""
 
-    def __init__(self, chunks: Iterable[Chunk], old: FileEntry, sha: hashlib._Hash | None) -> None:
-        super().__init__(chunks)
+    def __init__(
+        self, chunks: Iterable[Chunk], old: FileEntry, sha: hashlib._Hash | None, *, stable: bool
+    ) -> None:
+        super().__init__(chunks, stable=stable)
         self.old, self.sha = old, sha
 
     def __next__(self) -> Chunk:
