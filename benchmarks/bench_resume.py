@@ -5,9 +5,10 @@ One state (``--size-mb`` of float32 in ``--tensors`` tensors, fixed seed) is sav
 every way below, side by side: each round runs every method once, in an order that turns
 each round (rotated, and reversed on odd rounds) so no method always follows the same one;
 one untimed warm-up round comes first. Seconds are medians of ``--rounds``; MB/s is the
-state's bytes (1 MB = 10^6 bytes) over them. S3 is moto on 127.0.0.1, served by a process of
-its own (``python -m ckptstore.testing.s3server``), so the client's threads and the server's
-do not share one interpreter.
+state's bytes (1 MB = 10^6 bytes) over them. A ratio to the limit is paired by round: the
+median, over rounds, of the limit row's seconds over the row's in the same round. S3 is
+moto on 127.0.0.1, served by a process of its own (``python -m ckptstore.testing.s3server``),
+so the client's threads and the server's do not share one interpreter.
 
 Limits, each the best of its rows, measured by this benchmark in the same rounds:
 
@@ -120,6 +121,8 @@ def local_rows(root: Path, state: State, conc: int) -> list[Row]:
 
 def run_rounds(rows: list[Row], rounds: int, warmup: bool, log: Callable[[str], None]) -> None:
     """An untimed warm-up round (``warmup``), then ``rounds``, each in a turned order."""
+    if not rows:  # --only ranks: the ranks run their own rounds
+        return
     for r in range(-1 if warmup else 0, rounds):
         order = rows[r % len(rows) :] + rows[: r % len(rows)] if r >= 0 else list(rows)
         if r % 2:
@@ -146,6 +149,15 @@ def mbs(total: int, seconds: float) -> float:
     return total / seconds / 1e6 if seconds > 0 else float("nan")
 
 
+def paired_ratio(row: Row, limit: Row | None) -> float:
+    """``row``'s speed over ``limit``'s, paired by round: the median over rounds of the
+    limit's seconds over the row's in the same round. A slow minute on a shared machine slows
+    both rows of its round, so it moves their ratio less than it moves either median."""
+    if limit is None or not row.seconds or len(limit.seconds) != len(row.seconds):
+        return float("nan")
+    return statistics.median(a / b for a, b in zip(limit.seconds, row.seconds, strict=True))
+
+
 def report(
     rows: list[Row], rank_rows: list[Row], total: int, rank_total: int, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -154,7 +166,7 @@ def report(
     warm = "" if args.quick else " after a warm-up"
     print(
         f"\n{total / 1e6:.0f} MB state ({args.tensors} float32 tensors), medians of "
-        f"{args.rounds} rounds{warm}, S3 = moto on 127.0.0.1\n"
+        f"{args.rounds} rounds{warm}, ratios paired by round, S3 = moto on 127.0.0.1\n"
     )
     print("| path | method | MB/s | runs (s) | limit MB/s | ratio to limit |")
     print("|---|---|---:|---:|---:|---:|")
@@ -162,15 +174,16 @@ def report(
         members = [r for r in rows + rank_rows if r.group == group]
         size = rank_total if any(r in rank_rows for r in members) else total
         limits = [r for r in members if r.role == "limit" and r.seconds]
-        best = max((mbs(size, r.median) for r in limits), default=float("nan"))
+        limit = max(limits, key=lambda r: mbs(size, r.median), default=None)
+        best = mbs(size, limit.median) if limit is not None else float("nan")
         for r in members:
             speed = mbs(size, r.median)
             if r.error:
                 print(f"| {group} | {r.name} | did not run: {r.error} | | | |")
             else:
                 spread = f"{min(r.seconds):.3f}-{max(r.seconds):.3f}"
-                ratio = f"{speed / best:.2f}x" if r.role in ("ckptstore", "peer") else ""
-                print(f"| {group} | {r.name} | {speed:.0f} | {spread} | {best:.0f} | {ratio} |")
+                paired = f"{paired_ratio(r, limit):.2f}x" if r.role in ("ckptstore", "peer") else ""
+                print(f"| {group} | {r.name} | {speed:.0f} | {spread} | {best:.0f} | {paired} |")
             out["rows"].append(
                 {
                     "group": group,
@@ -186,10 +199,10 @@ def report(
         for r in members:  # the first ckptstore row is the group's; others are named
             if r.role == "ckptstore":
                 label = group if r is mine else f"{group}, {r.name}"
-                out["ratios"][f"{label}: to limit"] = mbs(size, r.median) / best
+                out["ratios"][f"{label}: to limit"] = paired_ratio(r, limit)
         for r in members:
             if r.role in ("peer", "line") and mine is not None and r.seconds and mine.seconds:
-                out["ratios"][f"{group}: to {r.name}"] = r.median / mine.median
+                out["ratios"][f"{group}: to {r.name}"] = paired_ratio(mine, r)
     print("\nratios from this run (ckptstore's speed over the other's):")
     for name, value in out["ratios"].items():
         print(f"  {name}: {value:.2f}x")
@@ -200,7 +213,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=256, help="the state, MiB")
     parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=8, help="threads of the raw rows")
     parser.add_argument("--quick", action="store_true", help="4 MiB, 16 tensors, one round")
     parser.add_argument("--json", type=Path, help="write every run of every row here")

@@ -211,17 +211,17 @@ def s3_rows(
         *raw_get_rows(client, objects, part, conc),
         Row(
             "S3 save",
-            "ckptstore save (keep_last=2: the commit, then the prune of a step)",
-            "ckptstore",
-            lambda: saver.save(next(steps), state),
-            bump,
-        ),
-        Row(
-            "S3 save",
-            "ckptstore save, no retention (the commit only)",
+            "ckptstore save (the commit; no retention)",
             "ckptstore",
             lambda: plain.save(next(steps), state),
             lambda: prune_untimed(plain, bump),
+        ),
+        Row(
+            "S3 save",
+            "ckptstore save with keep_last=2 (the commit, then the prune of a step)",
+            "ckptstore",
+            lambda: saver.save(next(steps), state),
+            bump,
         ),
     ]
     raw = RawUpload(client, flat_bytes(state))

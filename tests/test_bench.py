@@ -105,8 +105,9 @@ def test_bench_resume_quick_prints_every_path_beside_its_limit(tmp_path: Path) -
         assert {(group, "ckptstore"), (group, "limit")} <= {(g, r) for g, r, _ in rows}, group
     saves = [r["name"] for r in result["rows"] if r["group"] == "S3 save"]
     assert sum(r["role"] == "ckptstore" for r in result["rows"] if r["group"] == "S3 save") == 2
-    plain = next(n for n in saves if "no retention" in n)  # beside the save that prunes
-    assert 0 < result["ratios"][f"S3 save, {plain}: to limit"] < 100
+    assert "no retention" in saves[0]  # the group's row: the commit, beside the one that prunes
+    pruning = next(n for n in saves if "keep_last=2" in n)
+    assert 0 < result["ratios"][f"S3 save, {pruning}: to limit"] < 100
     peers = {(g, n) for g, role, n in rows if role == "peer"}
     for group in ("S3 save", "S3 load"):
         assert (
