@@ -51,6 +51,7 @@ PROVIDES: dict[str, frozenset[str]] = {
 # Modules the suite imports that come with a dependency of the test extra rather than by name.
 BROUGHT_BY: dict[str, str] = {
     "botocore": "boto3",
+    "urllib3": "boto3",  # through botocore, which pins its range
     "tokenizers": "transformers",
     "ray": "verl",
     "omegaconf": "verl",  # through hydra-core
