@@ -20,6 +20,7 @@ from ckptstore import CheckpointStore
 from ckptstore.backends import s3_write
 from ckptstore.backends.base import Chunk
 from ckptstore.backends.s3_progress import CancelToken, Meter, ProgressBody
+from ckptstore.backends.s3_transfer import crc32c_base64
 from ckptstore.data.payload import SourceFile
 from s3faults.faultmodes import Fault
 from s3faults.faultproxy import FaultProxy
@@ -164,3 +165,8 @@ def test_a_body_of_segments_counts_every_block_it_handed_out() -> None:
     while read.read(512):
         pass
     assert sum(counted) == 1400  # each block counted once the next was asked for
+
+
+def test_the_checksum_of_a_body_of_segments_is_that_of_its_bytes() -> None:
+    segments = [b"head", os.urandom(1000), b"", os.urandom(300)]
+    assert crc32c_base64(segments) == crc32c_base64(b"".join(segments))

@@ -79,11 +79,13 @@ def body_size(body: Body) -> int:
     return sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in body)
 
 
-def crc32c_base64(data: Chunk, known: int | None = None) -> str:
+def crc32c_base64(data: Chunk | list[Chunk], known: int | None = None) -> str:
     """The form S3's ``ChecksumCRC32C`` header takes: the CRC32C, big-endian, in base64
     (``known``: the CRC32C of ``data``, computed as it streamed in, not computed again)."""
-    value = crc32c.crc32c(data) if known is None else known
-    return base64.b64encode(value.to_bytes(4, "big")).decode()
+    if known is None:
+        pieces = data if isinstance(data, list) else [data]
+        known = functools.reduce(lambda crc, c: crc32c.crc32c(c, crc), pieces, 0)
+    return base64.b64encode(known.to_bytes(4, "big")).decode()
 
 
 def operation(method: str) -> str:
@@ -266,11 +268,7 @@ class Transfers:
     def part_checksum(self, data: Body, known: int | None = None) -> dict[str, str]:
         """``ChecksumCRC32C`` of a part or PUT body (``known``: its CRC32C, if computed
         already), if checksums are on."""
-        if not self.checksums:
-            return {}
-        if isinstance(data, list) and known is None:
-            known = functools.reduce(lambda crc, chunk: crc32c.crc32c(chunk, crc), data, 0)
-        return {"ChecksumCRC32C": crc32c_base64(data if not isinstance(data, list) else b"", known)}
+        return {"ChecksumCRC32C": crc32c_base64(data, known)} if self.checksums else {}
 
     # -- multipart (s3_multipart) ---------------------------------------------------------
 

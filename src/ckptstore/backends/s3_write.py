@@ -7,6 +7,10 @@ a file that ends by then goes up in one PutObject (its last piece may run
 into a multipart upload (:mod:`.s3_multipart`) with a CRC32C per part. A single PUT holds
 one of the transfers' slots while it runs, as a part does, so ``max_concurrency`` bounds both.
 
+Chunks that stay valid until the write returns (``Crc32cChunks.stable``: a save's header and
+views of its tensors) are not copied: up to one PUT's worth they go up where they lie, as the
+segments of one body; a larger file goes on into parts, those chunks first.
+
 A single PUT's CRC32C is not computed twice: chunks that counted it on the way for the
 manifest (:class:`~.checksummed.Crc32cChunks`) hand it over, and the PUT's ``ChecksumCRC32C``
 carries it, so the file's bytes are read once for both.

@@ -308,9 +308,8 @@ def _load(
     store: CheckpointStore, comm: Collectives, step: int | None, fallback: bool, allow_pickle: bool
 ) -> Any:
     tiers = store.tiers
-    # a node that kept a newer step than rank 0's offers it too: asked before the early reads
-    # begin, as its durable read and manifests are Python work that 8 reading threads slowed
-    # from 50 ms to 130 ms, all of it on the way to the ranks' agreement
+    # a node that kept a newer step than rank 0's offers it too: asked before the early reads,
+    # whose 8 threads slowed that Python work from 50 to 130 ms, on the way to the agreement
     here = tiers.newest_here() if tiers is not None and comm.rank != 0 else None
     # this rank's files of the step its node's local tier names, read while the ranks agree
     named = tiers.named_here(step) if tiers is not None else None
