@@ -6,9 +6,10 @@ every way below, side by side: each round runs every method once, in an order th
 each round (rotated, and reversed on odd rounds) so no method always follows the same one;
 one untimed warm-up round comes first. Seconds are medians of ``--rounds``; MB/s is the
 state's bytes (1 MB = 10^6 bytes) over them. A ratio to the limit is paired by round: the
-median, over rounds, of the limit row's seconds over the row's in the same round. S3 is
-moto on 127.0.0.1, served by a process of its own (``python -m ckptstore.testing.s3server``),
-so the client's threads and the server's do not share one interpreter.
+median, over rounds, of the limit row's seconds over the row's in the same round. Each run
+starts once the S3 server is quiet (``Server.settle``). S3 is moto on 127.0.0.1, served by
+a process of its own (``python -m ckptstore.testing.s3server``), so the client's threads and
+the server's do not share one interpreter.
 
 Limits, each the best of its rows, measured by this benchmark in the same rounds:
 
@@ -119,8 +120,15 @@ def local_rows(root: Path, state: State, conc: int) -> list[Row]:
     ]
 
 
-def run_rounds(rows: list[Row], rounds: int, warmup: bool, log: Callable[[str], None]) -> None:
-    """An untimed warm-up round (``warmup``), then ``rounds``, each in a turned order."""
+def run_rounds(
+    rows: list[Row],
+    rounds: int,
+    warmup: bool,
+    log: Callable[[str], None],
+    settle: Callable[[], None] = lambda: None,
+) -> None:
+    """An untimed warm-up round (``warmup``), then ``rounds``, each in a turned order; each
+    run starts once ``settle`` returns (the S3 server quiet again)."""
     if not rows:  # --only ranks: the ranks run their own rounds
         return
     for r in range(-1 if warmup else 0, rounds):
@@ -131,6 +139,7 @@ def run_rounds(rows: list[Row], rounds: int, warmup: bool, log: Callable[[str], 
             if row.error:
                 continue
             row.prep()
+            settle()
             started = time.perf_counter()
             try:
                 row.run()
@@ -258,7 +267,7 @@ def main() -> None:
         rows = s3_rows(server, state, args, notes) if "s3" in only else []
         rows += local_rows(Path(tmp), state, args.concurrency) if "local" in only else []
         log(f"setup done: {len(rows)} rows")
-        run_rounds(rows, args.rounds, not args.quick, log)
+        run_rounds(rows, args.rounds, not args.quick, log, server.settle)
         if "ranks" in only:
             ranks = run_ranks(
                 rank_rounds,

@@ -7,6 +7,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,6 +74,26 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()
         self.proc.wait(10)
+
+    def settle(self, window: float = 0.05, busy: float = 0.1, limit: float = 2.0) -> None:
+        """Wait (``limit`` seconds at most) until the server spent under ``busy`` of a core
+        over ``window`` seconds: a row must not pay for what the row before it left the
+        server doing (moto finishing a large upload, freeing deleted objects)."""
+        stat = Path(f"/proc/{self.proc.pid}/stat")
+        if not stat.exists():
+            return
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def cpu() -> float:
+            fields = stat.read_text().rpartition(")")[2].split()
+            return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            before = cpu()
+            time.sleep(window)
+            if cpu() - before < busy * window:
+                return
 
     @property
     def url(self) -> str:
