@@ -63,7 +63,7 @@ def test_a_save_sends_its_shards_from_the_tensors_memory(
     with CheckpointStore(s3_uri, storage_options=s3_options, shard_size=4 * MiB) as store:
         store.save(1, saved)
         assert len(store.info(1).files) >= 3  # shards and the skeleton, each one PUT
-        assert max(copied) < 64 << 10  # control objects only (a manifest, a marker)
+        assert max(copied, default=0) < 64 << 10  # control objects only (manifest, marker)
         assert same(store.load(1), saved)
 
 
