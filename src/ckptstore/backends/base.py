@@ -23,11 +23,10 @@ warns once). Every capability is a declared member (``read_into_chunks``, ``para
 :class:`~.proxy.BackendProxy` (fault injection, request counting) runs the same paths as the
 backend it wraps.
 
-Copies between two backends (replication/replicator.py) go server-side where one server can do them:
-``address`` says where an object lives for such a copy and in which *domain* (for S3: one
-endpoint with one set of credentials), and ``copy_in`` copies an address of its own domain
-in. The caller compares domains, so the rule "same server, same credentials" is decided once,
-by each backend for its own addresses, and nothing inspects another backend's internals.
+Copies between two backends (replication/replicator.py) go server-side where one server can
+do them: ``address`` says where an object lives for such a copy and in which *domain* (for S3:
+one endpoint with one set of credentials), and ``copy_in`` copies an address of its own domain
+in. The caller compares domains: each backend decides "same server, same credentials" once.
 """
 
 from __future__ import annotations
@@ -54,6 +53,11 @@ _WARN_LOCK = threading.Lock()
 
 Chunk = bytes | bytearray | memoryview
 """A piece of an object's content; backends must not keep a reference after the call returns."""
+
+
+def chunk_size(chunk: Chunk) -> int:
+    """The bytes ``chunk`` holds (a memoryview of wider items counts bytes, not items)."""
+    return chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
 
 
 @dataclass(frozen=True)

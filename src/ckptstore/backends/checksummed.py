@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 
 import crc32c
 
-from ckptstore.backends.base import Chunk
+from ckptstore.backends.base import Chunk, chunk_size
 
 
 class Crc32cChunks(Iterator[Chunk]):
@@ -42,7 +42,7 @@ class Crc32cChunks(Iterator[Chunk]):
             self.done = True
             raise
         self.value = crc32c.crc32c(chunk, self.value)
-        self.size += chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
+        self.size += chunk_size(chunk)
         return chunk
 
     def whole(self, size: int) -> int | None:

@@ -34,7 +34,7 @@ from typing import Any
 import crc32c
 
 from ckptstore.backends import s3_download
-from ckptstore.backends.base import Chunk
+from ckptstore.backends.base import Chunk, chunk_size
 from ckptstore.backends.s3_download import read_body_into
 from ckptstore.backends.s3_helpers import mark_worker
 from ckptstore.backends.s3_leftovers import Leftovers
@@ -76,7 +76,7 @@ Body = bytes | bytearray | list[Chunk]
 def body_size(body: Body) -> int:
     if not isinstance(body, list):
         return len(body)
-    return sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in body)
+    return sum(map(chunk_size, body))
 
 
 def crc32c_base64(data: Chunk | list[Chunk], known: int | None = None) -> str:

@@ -53,14 +53,12 @@ class FileWrites:
         single = min(threshold + tail(part_size), MAX_SINGLE_PUT)  # the most one PUT takes
         if isinstance(chunks, Crc32cChunks) and chunks.stable:
             held: list[Chunk] = []
-            size = 0
             for chunk in chunks:  # no copy: the chunks stay valid until this returns
                 held.append(chunk)
-                size += chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
-                if size > single:
+                if chunks.size > single:  # counted as they pass
                     break
             else:
-                return self._put(key, held, size, chunks)
+                return self._put(key, held, chunks.size, chunks)
             chunks = itertools.chain(held, chunks)  # too large for one PUT: cut into parts
         transfers, name = self._transfers, self._transfers.name(key)
         parts = split(chunks, part_size)

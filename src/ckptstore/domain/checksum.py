@@ -12,7 +12,7 @@ import base64
 
 import crc32c
 
-from ckptstore.backends.base import Chunk
+from ckptstore.backends.base import Chunk, chunk_size
 
 
 class Crc32c:
@@ -24,7 +24,7 @@ class Crc32c:
 
     def update(self, chunk: Chunk) -> None:
         self.value = crc32c.crc32c(chunk, self.value)
-        self.size += len(chunk) if not isinstance(chunk, memoryview) else chunk.nbytes
+        self.size += chunk_size(chunk)
 
     def hexdigest(self) -> str:
         return f"{self.value:08x}"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckptstore.backends.base import Chunk
+from ckptstore.backends.base import Chunk, chunk_size
 from ckptstore.data import safetensors_header
 from ckptstore.domain.checksum import Crc32c
 from ckptstore.errors import CorruptCheckpointError
@@ -65,7 +65,7 @@ class ShardStream:
     def chunks(self) -> Iterator[Chunk]:
         for chunk in self._chunks():
             self.written.crc.update(chunk)
-            self.written.size += len(chunk) if not isinstance(chunk, memoryview) else chunk.nbytes
+            self.written.size += chunk_size(chunk)
             yield chunk
 
     def _chunks(self) -> Iterator[Chunk]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator
 
-from ckptstore.backends.base import Backend, Chunk
+from ckptstore.backends.base import Backend, Chunk, chunk_size
 from ckptstore.backends.checksummed import Crc32cChunks
 from ckptstore.data.payload import Progress, SourceFile
 from ckptstore.domain import layout
@@ -143,4 +143,4 @@ def _digested(chunks: Iterable[Chunk], sha: hashlib._Hash) -> Iterator[Chunk]:
 def _reporting(chunks: Iterable[Chunk], progress: Progress) -> Iterator[Chunk]:
     for chunk in chunks:
         yield chunk
-        progress(len(chunk) if not isinstance(chunk, memoryview) else chunk.nbytes)
+        progress(chunk_size(chunk))
