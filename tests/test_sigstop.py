@@ -75,9 +75,14 @@ def assert_on_time(started: float) -> float:
 
 
 def assert_next_save_commits(store: CheckpointStore, server: Server, bucket: str) -> None:
-    """After SIGCONT: the next save commits and loads back, no upload stays open."""
+    """After SIGCONT: the next save commits and loads back, no upload stays open.
+
+    A tiered store's save returns once the local tier has it; its copy to the bucket goes on in
+    the background with its own upload open, so that copy is waited for before the listing."""
     state = big(3)
     assert store.save(3, state).step == 3
+    if store.tiers is not None:
+        store.tiers.wait()
     assert server.uploads(bucket) == []
     assert same(store.load(3), state)
     store.close()
