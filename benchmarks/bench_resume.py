@@ -4,12 +4,14 @@ and beside the peers a user would pick (README "Resume at the limit").
 One state (``--size-mb`` of float32 in ``--tensors`` tensors, fixed seed) is saved and loaded
 every way below, side by side: each round runs every method once, in an order that turns
 each round (rotated, and reversed on odd rounds) so no method always follows the same one;
-one untimed warm-up round comes first. Seconds are medians of ``--rounds``; MB/s is the
+one untimed warm-up round comes first. Seconds are medians of ``--rounds`` (of
+``--rank-rounds`` for the rows on 2 ranks, whose runs take tenths of a second); MB/s is the
 state's bytes (1 MB = 10^6 bytes) over them. A ratio to the limit is paired by round: the
 median, over rounds, of the limit row's seconds over the row's in the same round. Each run
 starts once the S3 server is quiet (``Server.settle``). S3 is moto on 127.0.0.1, served by
 a process of its own (``python -m ckptstore.testing.s3server``), so the client's threads and
-the server's do not share one interpreter.
+the server's do not share one interpreter; its temporary files (every object over 5 MiB) are
+kept in /dev/shm where there is one (on disk, writing them slowed whichever row came next).
 
 Limits, each the best of its rows, measured by this benchmark in the same rounds:
 
@@ -175,7 +177,8 @@ def report(
     warm = "" if args.quick else " after a warm-up"
     print(
         f"\n{total / 1e6:.0f} MB state ({args.tensors} float32 tensors), medians of "
-        f"{args.rounds} rounds{warm}, ratios paired by round, S3 = moto on 127.0.0.1\n"
+        f"{args.rounds} rounds{warm} (the rows on 2 ranks: {args.rank_rounds}), ratios paired "
+        "by round, S3 = moto on 127.0.0.1\n"
     )
     print("| path | method | MB/s | runs (s) | limit MB/s | ratio to limit |")
     print("|---|---|---:|---:|---:|---:|")
@@ -222,7 +225,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=256, help="the state, MiB")
     parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--rank-rounds",
+        type=int,
+        default=11,
+        help="rounds of the rows on 2 ranks (each run a few tenths of a second, so more)",
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="threads of the raw rows")
     parser.add_argument("--quick", action="store_true", help="4 MiB, 16 tensors, one round")
     parser.add_argument("--json", type=Path, help="write every run of every row here")
@@ -236,7 +245,7 @@ def main() -> None:
     args = parser.parse_args()
     only = set(args.only or PARTS)
     if args.quick:
-        args.size_mb, args.tensors, args.rounds = 4, 16, 1
+        args.size_mb, args.tensors, args.rounds, args.rank_rounds = 4, 16, 1, 1
     logging.getLogger("ckptstore").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")  # one process
     # moto's dummy credentials for every client, s3torchconnector's (which reads only these)
@@ -275,7 +284,7 @@ def main() -> None:
                 Path(tmp) / "launch",
                 per_rank,
                 args.tensors // world,
-                args.rounds,
+                args.rank_rounds,
                 Path(tmp) / "tiers",
                 server.options(),
                 args.concurrency,
@@ -285,7 +294,7 @@ def main() -> None:
     rank_total = nbytes(state_of(per_rank, args.tensors // world))  # one node's share
 
     def slowest(name: str) -> list[float]:
-        return [max(r[name][i] for r in ranks) for i in range(args.rounds)] if ranks else []
+        return [max(r[name][i] for r in ranks) for i in range(args.rank_rounds)] if ranks else []
 
     rank_rows = [
         Row(
@@ -346,7 +355,7 @@ def main() -> None:
         f"\nresume of a tiered replicas=1 job that lost node 1 ({world} ranks x "
         f"{rank_total / 1e6:.0f} MB; open the store, agree on the step, take the files, load; "
         f"the slowest rank): from the peer {peer:.3f} s, from the bucket (replicas=0) "
-        f"{bucket:.3f} s: {bucket / peer:.2f}x faster from the peer"
+        f"{bucket:.3f} s: the peer's path takes {peer / bucket:.2f}x the bucket's"
     )
     print(f"notes: {json.dumps(notes)}")
     out |= {
