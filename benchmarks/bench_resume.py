@@ -272,7 +272,9 @@ def main() -> None:
     world = 2
     per_rank = args.size_mb / world
     ranks: list[dict[str, list[float]]] = []
-    with Server() as server, tempfile.TemporaryDirectory() as tmp:
+    # the bucket holds up to about 16 copies of the state at once (the rows' objects, the
+    # stores' kept steps); the server spills them to memory only where that fits
+    with Server(room=16 * total) as server, tempfile.TemporaryDirectory() as tmp:
         rows = s3_rows(server, state, args, notes) if "s3" in only else []
         rows += local_rows(Path(tmp), state, args.concurrency) if "local" in only else []
         log(f"setup done: {len(rows)} rows")

@@ -63,22 +63,32 @@ class Server:
     """moto's S3 server in a process of its own, on a free port of 127.0.0.1.
 
     moto keeps each object over 5 MiB in a temporary file; those go to a memory file system
-    (``TMPDIR=/dev/shm``) where there is one. On disk, py-spy of the server showed writing
-    them taking 6x the samples with earlier objects on disk beside them: a cost that fell on
-    whichever row wrote next, not on the row that left them."""
+    (``TMPDIR=/dev/shm``) where it has ``room`` bytes free (what the rows may leave in the
+    bucket at once). On disk, py-spy of the server showed writing them taking 6x the samples
+    with earlier objects on disk beside them: a cost that fell on whichever row wrote next,
+    not on the row that left them."""
+
+    def __init__(self, room: int = 0) -> None:
+        self.room = room
 
     def __enter__(self) -> Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "ckptstore.testing.s3server", "--port", str(self.port)]
-        env = os.environ | ({"TMPDIR": str(MEMORY_DIR)} if MEMORY_DIR.is_dir() else {})
+        env = os.environ | ({"TMPDIR": str(MEMORY_DIR)} if self._memory_has_room() else {})
         self.proc = subprocess.Popen([*cmd, "--bucket", BUCKET], stdout=subprocess.PIPE, env=env)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # printed once the bucket exists
         if not line:
             raise RuntimeError(f"the S3 server did not start (exit {self.proc.wait()})")
         return self
+
+    def _memory_has_room(self) -> bool:
+        if not MEMORY_DIR.is_dir():
+            return False
+        fs = os.statvfs(MEMORY_DIR)
+        return fs.f_bavail * fs.f_frsize >= self.room
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()
