@@ -251,10 +251,19 @@ def _exchange(rank: int, world: int, root: Path) -> dict[str, Any]:
         entries.append(FileEntry("rank_00001/bad", 4, crc_of(b"good")))
         backend.write("global_step_1/rank_00001/bad", [b"evil"])
     outgoing[2 if rank < 2 else 0] = [Outgoing(1, e) for e in entries]
+    placed: list[str] = []  # what the exchange put in place, where any reader would find it
+    write = backend.write
+
+    def recording(path: str, chunks: Any) -> int:
+        size = write(path, chunks)
+        placed.append(path)
+        return size
+
+    setattr(backend, "write", recording)  # noqa: B010 (an instance's method, replaced)
     got = exchange(Collectives(timeout=30), backend, outgoing, chunk=64)
     dist.barrier()
     held = {o.path: o.size for o in backend.list("global_step_1/")}
-    return {"keys": got.keys, "missed": got.missed, "held": held}
+    return {"keys": got.keys, "missed": got.missed, "held": held, "placed": placed}
 
 
 def crc_of(data: bytes) -> str:
@@ -272,6 +281,10 @@ def test_the_exchange_streams_many_files_to_one_rank_and_drops_what_fails_its_ch
     assert len(two["keys"][0]) == 3 and len(two["keys"][1]) == 2
     assert two["missed"] == {1: ["global_step_1/rank_00001/bad"]}
     assert "global_step_1/rank_00001/bad" not in two["held"]  # no copy kept of it
+    # nor put in place until the exchange's end: a node's persist reading the step's files
+    # meanwhile copied the filler and failed on its checksum
+    assert "global_step_1/rank_00001/bad" not in two["placed"]
+    assert len(two["placed"]) == 5
     for rank, sizes in ((0, [0, 1, 193]), (1, [64, 5])):
         for i, size in enumerate(sizes):
             key = f"global_step_1/rank_0000{rank}/f{i}"

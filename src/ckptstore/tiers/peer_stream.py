@@ -15,7 +15,10 @@ whatever it holds, and the shape of the transfer is agreed before a byte moves (
 ``all_gather`` of what each rank offers to whom), so both ends count the same chunks. A file
 that fails on the way (the sender cannot read it, or its bytes fail the manifest's checksums)
 still travels as filler, so no rank ever skips a transfer its peer waits for; a second
-``all_gather`` at the end names such files, and their receivers remove them.
+``all_gather`` at the end names such files, and their receivers remove them. A receiver also
+checks each file's CRC32C (which the offer carries) as its chunks pass, so filler never
+appears under the file's key, not even until that second ``all_gather``: a node's persist
+may be reading the step's files at that moment.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch.distributed as dist
 
 from ckptstore.backends.base import join
 from ckptstore.data.verified import StreamCheck
+from ckptstore.domain.checksum import Crc32c
+from ckptstore.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from ckptstore.backends.base import Backend
@@ -86,8 +91,13 @@ def exchange(
     """Send each destination rank its files (read from ``backend``) and write what the other
     ranks send into ``backend`` under the same keys, in pieces of ``chunk`` bytes (a sender's
     own: its offer says which). Every rank of ``comm`` calls it."""
-    offer = {dst: [(o.key, o.entry.size) for o in files] for dst, files in outgoing.items()}
-    offers: list[tuple[int, dict[int, list[tuple[str, int]]]]] = comm.all_gather((chunk, offer))
+    offer = {
+        dst: [(o.key, o.entry.size, o.entry.crc32c) for o in files]
+        for dst, files in outgoing.items()
+    }
+    offers: list[tuple[int, dict[int, list[tuple[str, int, str]]]]] = comm.all_gather(
+        (chunk, offer)
+    )
     incoming = {src: o[comm.rank] for src, (_, o) in enumerate(offers) if o.get(comm.rank)}
     stop = threading.Event()
     readers = {
@@ -116,7 +126,7 @@ def exchange(
         if bad:
             backend.delete(sorted(bad & writer.written))
             missed[src] = sorted(bad)
-        keys[src] = [key for key, _ in incoming[src] if key not in bad]
+        keys[src] = [key for key, _, _ in incoming[src] if key not in bad]
     return Received(keys, missed)
 
 
@@ -243,12 +253,18 @@ class _Reader(_Worker):
 
 class _Writer(_Worker):
     """Writes a source's files as their chunks arrive, one atomic write per file; a file that
-    cannot be written is drained (its chunks still arrive) and named in :attr:`failed`."""
+    cannot be written, or whose bytes are not those its CRC32C says (the sender's filler), is
+    drained (its chunks still arrive), never put in place, and named in :attr:`failed`."""
 
     def __init__(
-        self, backend: Backend, files: Sequence[tuple[str, int]], chunk: int, stop: threading.Event
+        self,
+        backend: Backend,
+        files: Sequence[tuple[str, int, str]],
+        chunk: int,
+        stop: threading.Event,
     ) -> None:
-        super().__init__(backend, files, chunk, stop)
+        super().__init__(backend, [(key, size) for key, size, _ in files], chunk, stop)
+        self.crcs = [crc for _, _, crc in files]
         self.written: set[str] = set()
         self.lengths_of: list[list[int]] = [[] for _ in files]
         """The lengths of each file's chunks."""
@@ -276,11 +292,21 @@ class _Writer(_Worker):
 
     def _pieces(self, index: int) -> Iterator[memoryview]:
         """The chunks of file ``index`` as they arrive; each buffer goes back to the pool once
-        the write asks for the next one (it has been written)."""
+        the write asks for the next one (it has been written). Past the last, a CRC32C other
+        than the offer's fails the write before the file is put in place."""
+        crc = Crc32c()
         for length in self.lengths_of[index]:
             buffer, got = self._get(self.ready)
             try:
                 if length:
-                    yield memoryview(buffer[:got].numpy())  # type: ignore[arg-type]
+                    piece = memoryview(buffer[:got].numpy())  # type: ignore[arg-type]
+                    crc.update(piece)
+                    yield piece
             finally:
                 self.pool.put(buffer)
+        if crc.hexdigest() != self.crcs[index]:
+            raise CorruptCheckpointError(
+                f"{join(self.backend.uri, self.files[index][0])}: the peer's bytes have CRC32C "
+                f"{crc.hexdigest()}, its manifest says {self.crcs[index]} (the sender could not "
+                "read its file); not kept"
+            )
