@@ -25,7 +25,6 @@ from ckptstore.backends.registry import open_backend
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.backends.s3_options import S3Options
 from ckptstore.domain import layout
-from ckptstore.domain.checksum import crc32c_base64
 from ckptstore.errors import (
     AccessDeniedError,
     BackendError,
@@ -37,6 +36,12 @@ from ckptstore.errors import (
 )
 
 MiB = 1 << 20
+
+
+def crc32c_base64(data: bytes) -> str:
+    """S3's ``ChecksumCRC32C`` header, computed here apart from the backend's: the CRC32C's
+    big-endian bytes in base64."""
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
 
 
 def client_error(code: str, status: int, operation: str) -> ClientError:

@@ -8,8 +8,6 @@ path.
 
 from __future__ import annotations
 
-import base64
-
 import crc32c
 
 from ckptstore.backends.base import Chunk, chunk_size
@@ -28,9 +26,3 @@ class Crc32c:
 
     def hexdigest(self) -> str:
         return f"{self.value:08x}"
-
-
-def crc32c_base64(data: Chunk) -> str:
-    """The form S3's ``ChecksumCRC32C`` header takes: big-endian bytes, base64."""
-    value = crc32c.crc32c(data)
-    return base64.b64encode(value.to_bytes(4, "big")).decode()

@@ -16,9 +16,9 @@ whatever it holds, and the shape of the transfer is agreed before a byte moves (
 that fails on the way (the sender cannot read it, or its bytes fail the manifest's checksums)
 still travels as filler, so no rank ever skips a transfer its peer waits for; a second
 ``all_gather`` at the end names such files, and their receivers remove them. A receiver also
-checks each file's CRC32C (which the offer carries) as its chunks pass, so filler never
-appears under the file's key, not even until that second ``all_gather``: a node's persist
-may be reading the step's files at that moment.
+checks each file against its manifest entry (which the offer carries) as its chunks pass, so
+filler never appears under the file's key, not even until that second ``all_gather``: a
+node's persist may be reading the step's files at that moment.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ import torch.distributed as dist
 
 from ckptstore.backends.base import join
 from ckptstore.data.verified import StreamCheck
-from ckptstore.domain.checksum import Crc32c
-from ckptstore.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from ckptstore.backends.base import Backend
@@ -57,7 +55,8 @@ Q = TypeVar("Q")
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One file a rank sends: its manifest entry, checked as it is read."""
+    """One file a rank sends: its manifest entry, checked as it is read and as it arrives
+    (the offer carries it whole)."""
 
     step: int
     entry: FileEntry
@@ -91,13 +90,8 @@ def exchange(
     """Send each destination rank its files (read from ``backend``) and write what the other
     ranks send into ``backend`` under the same keys, in pieces of ``chunk`` bytes (a sender's
     own: its offer says which). Every rank of ``comm`` calls it."""
-    offer = {
-        dst: [(o.key, o.entry.size, o.entry.crc32c) for o in files]
-        for dst, files in outgoing.items()
-    }
-    offers: list[tuple[int, dict[int, list[tuple[str, int, str]]]]] = comm.all_gather(
-        (chunk, offer)
-    )
+    offer = {dst: list(files) for dst, files in outgoing.items()}
+    offers: list[tuple[int, dict[int, list[Outgoing]]]] = comm.all_gather((chunk, offer))
     incoming = {src: o[comm.rank] for src, (_, o) in enumerate(offers) if o.get(comm.rank)}
     stop = threading.Event()
     readers = {
@@ -126,7 +120,7 @@ def exchange(
         if bad:
             backend.delete(sorted(bad & writer.written))
             missed[src] = sorted(bad)
-        keys[src] = [key for key, _, _ in incoming[src] if key not in bad]
+        keys[src] = [o.key for o in incoming[src] if o.key not in bad]
     return Received(keys, missed)
 
 
@@ -157,11 +151,11 @@ def _transfer(comm: Collectives, readers: dict[int, _Reader], writers: dict[int,
             writer.ready.put((buffer, length))
 
 
-def _chunks(files: Sequence[tuple[str, int]], chunk: int) -> list[tuple[int, int, int]]:
+def _chunks(files: Sequence[Outgoing], chunk: int) -> list[tuple[int, int, int]]:
     """(file index, offset, length) of every chunk, in order; an empty file is one empty
     chunk (so its receiver creates it)."""
     out = []
-    for i, (_, size) in enumerate(files):
+    for i, size in enumerate(o.entry.size for o in files):
         out += [(i, at, min(chunk, size - at)) for at in range(0, size, chunk)] or [(i, 0, 0)]
     return out
 
@@ -174,11 +168,7 @@ class _Worker(threading.Thread):
     """A reader or writer thread with its pool of chunk buffers."""
 
     def __init__(
-        self,
-        backend: Backend,
-        files: Sequence[tuple[str, int]],
-        chunk: int,
-        stop: threading.Event,
+        self, backend: Backend, files: Sequence[Outgoing], chunk: int, stop: threading.Event
     ) -> None:
         super().__init__(name="ckpt-peer-io", daemon=True)
         self.backend, self.files, self.stop = backend, files, stop
@@ -218,12 +208,6 @@ class _Reader(_Worker):
     against its manifest entry; a file that fails is sent on as filler and named in
     :attr:`failed`."""
 
-    def __init__(
-        self, backend: Backend, files: Sequence[Outgoing], chunk: int, stop: threading.Event
-    ) -> None:
-        super().__init__(backend, [(o.key, o.entry.size) for o in files], chunk, stop)
-        self.outgoing = files
-
     def next_chunk(self) -> tuple[torch.Tensor, int]:
         return self._get(self.ready)
 
@@ -231,7 +215,7 @@ class _Reader(_Worker):
         check: StreamCheck | None = None
         for i, at, length in self.plan:
             buffer = self._get(self.pool)
-            file = self.outgoing[i]
+            file = self.files[i]
             if at == 0:
                 where = join(self.backend.uri, file.key)
                 check = StreamCheck(file.entry, where=where, step=file.step)
@@ -253,18 +237,13 @@ class _Reader(_Worker):
 
 class _Writer(_Worker):
     """Writes a source's files as their chunks arrive, one atomic write per file; a file that
-    cannot be written, or whose bytes are not those its CRC32C says (the sender's filler), is
+    cannot be written, or whose bytes fail its manifest entry (the sender's filler), is
     drained (its chunks still arrive), never put in place, and named in :attr:`failed`."""
 
     def __init__(
-        self,
-        backend: Backend,
-        files: Sequence[tuple[str, int, str]],
-        chunk: int,
-        stop: threading.Event,
+        self, backend: Backend, files: Sequence[Outgoing], chunk: int, stop: threading.Event
     ) -> None:
-        super().__init__(backend, [(key, size) for key, size, _ in files], chunk, stop)
-        self.crcs = [crc for _, _, crc in files]
+        super().__init__(backend, files, chunk, stop)
         self.written: set[str] = set()
         self.lengths_of: list[list[int]] = [[] for _ in files]
         """The lengths of each file's chunks."""
@@ -275,8 +254,8 @@ class _Writer(_Worker):
         return self._get(self.pool)
 
     def work(self) -> None:
-        for i, (key, _) in enumerate(self.files):
-            pieces = self._pieces(i)
+        for i, file in enumerate(self.files):
+            key, pieces = file.key, self._pieces(i)
             try:
                 self.backend.write(key, pieces)
                 self.written.add(key)
@@ -292,21 +271,17 @@ class _Writer(_Worker):
 
     def _pieces(self, index: int) -> Iterator[memoryview]:
         """The chunks of file ``index`` as they arrive; each buffer goes back to the pool once
-        the write asks for the next one (it has been written). Past the last, a CRC32C other
-        than the offer's fails the write before the file is put in place."""
-        crc = Crc32c()
+        the write asks for the next one (it has been written). Past the last, bytes that fail
+        the file's manifest entry fail the write before the file is put in place."""
+        file = self.files[index]
+        check = StreamCheck(file.entry, where=join(self.backend.uri, file.key), step=file.step)
         for length in self.lengths_of[index]:
             buffer, got = self._get(self.ready)
             try:
                 if length:
                     piece = memoryview(buffer[:got].numpy())  # type: ignore[arg-type]
-                    crc.update(piece)
+                    check.update(piece)
                     yield piece
             finally:
                 self.pool.put(buffer)
-        if crc.hexdigest() != self.crcs[index]:
-            raise CorruptCheckpointError(
-                f"{join(self.backend.uri, self.files[index][0])}: the peer's bytes have CRC32C "
-                f"{crc.hexdigest()}, its manifest says {self.crcs[index]} (the sender could not "
-                "read its file); not kept"
-            )
+        check.finish()
